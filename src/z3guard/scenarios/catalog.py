@@ -1,0 +1,62 @@
+"""Named scenarios: a model, its batches and its loss, everything a rank needs to train it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .models import CLASSES, EMBED, IMAGE, ClipLike, TinyLM
+
+Batch = tuple[tuple, dict, torch.Tensor]  # forward args, forward kwargs, target
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int, int, int, torch.dtype], Batch]  # (step, micro, rank, dtype)
+    hidden: int
+    micro_batch: int = 4
+    config: dict[str, Any] = field(default_factory=dict)  # overrides of the resolved HF config
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _gen(step: int, micro: int, rank: int) -> torch.Generator:
+    # A pure function of the position in training: resuming needs no data-loader state.
+    return torch.Generator().manual_seed(1_000_003 * step + 1_009 * micro + rank)
+
+
+def _image_batch(step: int, micro: int, rank: int, dtype: torch.dtype, n: int = 4) -> Batch:
+    g = _gen(step, micro, rank)
+    images = torch.randn(n, 3, IMAGE, IMAGE, generator=g).to(dtype)
+    return (images,), {}, torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def _token_batch(step: int, micro: int, rank: int, dtype: torch.dtype, n: int = 4) -> Batch:
+    g = _gen(step, micro, rank)
+    tokens = torch.randint(0, 64, (n, 9), generator=g)
+    return (tokens[:, :-1],), {"step": step}, tokens[:, 1:]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("clip", ClipLike, _image_batch, hidden=EMBED),
+        # LM width 64: HF "auto" persistence threshold 640 keeps biases/norms persistent, weights not.
+        Scenario("tied", lambda: TinyLM(), _token_batch, hidden=64),
+        Scenario("skip-block", lambda: TinyLM(skip_odd=True), _token_batch, hidden=64),
+        Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64),
+    ]
+}
+
+
+def get(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None

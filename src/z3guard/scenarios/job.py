@@ -1,0 +1,140 @@
+"""One training job on one rank: build an engine, train, save/resume, report what happened."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import catalog
+from .config import merge, resolve_auto
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Job:
+    """What one job does; every rank of a launch runs the same list of jobs in order."""
+
+    name: str
+    scenario: str = "clip"
+    dtype: str = "fp16"
+    guard: bool = False
+    steps: int = 10  # last global step (1-based) to run
+    skip_at: list[int] = field(default_factory=list)  # steps whose loss is made non-finite
+    save_after: int | None = None
+    save_dir: str | None = None
+    load_dir: str | None = None  # resume from here (the step comes from the checkpoint)
+    events: dict[str, str] = field(default_factory=dict)  # "step" -> gathered|partition|eval
+    grad_accum: int = 1
+    config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1234
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Job":
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Crash:
+    step: int
+    message: str
+    module: str | None
+    params: list[str]
+
+    @classmethod
+    def parse(cls, step: int, exc: BaseException, module_paths: dict[int, str]) -> "Crash":
+        text = str(exc)
+        mod = re.search(r"module id: (\d+)", text)
+        expected = text.split("but got")[0]
+        names = sorted(set(re.findall(r"name=(\S+?) id=", expected)))
+        return cls(step, text, module_paths.get(int(mod.group(1))) if mod else None, names)
+
+
+def build_config(job: Job, scenario: catalog.Scenario, world: int) -> dict[str, Any]:
+    cfg = resolve_auto(scenario.hidden, job.dtype, scenario.micro_batch, world, job.grad_accum)
+    cfg["scheduler"] = {"type": "WarmupLR",
+                        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 5}}
+    return merge(merge(cfg, scenario.config), job.config)
+
+
+def gathered_state(engine) -> dict[str, torch.Tensor]:
+    """Full fp32 master weights and model-dtype weights, by parameter name (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    import deepspeed
+
+    out: dict[str, torch.Tensor] = {}
+    params = dict(engine.module.named_parameters())
+    for name, p in params.items():
+        out[f"master/{name}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        for name, p in params.items():
+            out[f"weight/{name}"] = p.detach().cpu().clone()
+    return out
+
+
+def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = lambda j, s: None) -> dict:
+    """Train per `job`; returns losses, skipped steps, the crash if any, and the final state."""
+    import deepspeed
+
+    scenario = catalog.get(job.scenario)
+    dtype = DTYPES[job.dtype]
+    torch.manual_seed(job.seed)
+    model = scenario.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=build_config(job, scenario, world))
+    paths = {m.ds_id: name or "<root>" for name, m in engine.module.named_modules() if hasattr(m, "ds_id")}
+    start = 0
+    if job.load_dir:
+        _, client = engine.load_checkpoint(job.load_dir)
+        start = int((client or {}).get("step", engine.global_steps))
+    result: dict[str, Any] = {"job": job.name, "losses": {}, "skipped": [], "crash": None, "start": start}
+    step = start
+    try:
+        for step in range(start + 1, job.steps + 1):
+            for micro in range(job.grad_accum):
+                args, kwargs, target = scenario.make_batch(step, micro, rank, dtype)
+                loss = scenario.loss(engine(*args, **kwargs), target)
+                value = loss.item()
+                if step in job.skip_at and micro == job.grad_accum - 1:
+                    loss = loss * math.inf
+                engine.backward(loss)
+                engine.step()
+            result["losses"][str(step)] = value
+            if not engine.was_step_applied():
+                result["skipped"].append(step)
+            _between_steps(engine, scenario, job.events.get(str(step)), step, rank, dtype)
+            if job.save_after == step:
+                engine.save_checkpoint(job.save_dir, tag=f"step{step}", client_state={"step": step})
+            on_step(job.name, step)
+    except RuntimeError as exc:  # the failure under study; anything else propagates
+        result["crash"] = asdict(Crash.parse(step, exc, paths))
+    if result["crash"] is None:
+        result["state"] = gathered_state(engine)
+        result["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
+    engine.destroy()
+    return result
+
+
+def _between_steps(engine, scenario, event: str | None, step: int, rank: int, dtype) -> None:
+    import deepspeed
+
+    if event == "gathered":
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            pass
+    elif event == "partition":
+        engine.empty_partition_cache()
+    elif event == "eval":
+        engine.eval()
+        with torch.no_grad():
+            args, kwargs, _ = scenario.make_batch(10_000 + step, 0, rank, dtype)
+            engine(*args, **kwargs)
+        engine.train()
+    elif event is not None:
+        raise ValueError(f"unknown event {event!r} (expected gathered, partition or eval)")

@@ -1,0 +1,95 @@
+"""Start a group of ranks with torchrun, watch their progress, and never hang."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .job import Job
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Launch:
+    out: Path
+    returncode: int
+    seconds: float
+    log: str
+
+    def result(self, job: str, rank: int = 0) -> dict:
+        path = self.out / f"{job}.rank{rank}.json"
+        if not path.exists():
+            raise LaunchError(f"job {job!r} left no result at {path} (exit {self.returncode}); log tail:\n"
+                              + self.log[-4000:])
+        return json.loads(path.read_text())
+
+    def state(self, job: str):
+        import torch
+
+        return torch.load(self.out / f"{job}.state.pt")
+
+
+def rank_env(device: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env.setdefault("LOCAL_SIZE", "2")  # else the CPU accelerator shells out to numactl
+        import deepspeed
+
+        ext = Path(sys.prefix) / f"torch_extensions-ds{deepspeed.__version__}"
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(ext))
+    else:
+        env["DS_ACCELERATOR"] = "cuda"
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
+             on_progress: Callable[[str, int], None] | None = None) -> Launch:
+    """Run `jobs` in one fresh process group of `nproc` ranks; kill the whole group on timeout."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "device": device, "jobs": [j.to_dict() for j in jobs]}))
+    progress = out / "progress.jsonl"
+    progress.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "z3guard.scenarios.worker", str(spec)]
+    log_path = out / "launch.log"
+    start = time.monotonic()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env(device),
+                                start_new_session=True)
+        seen = 0
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout:
+                    raise LaunchError(f"ranks ran past {timeout:.0f} s; killed (log: {log_path})")
+                seen = _report(progress, seen, on_progress)
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    _report(progress, seen, on_progress)
+    return Launch(out, proc.returncode, time.monotonic() - start, log_path.read_text(errors="replace"))
+
+
+def _report(progress: Path, seen: int, on_progress) -> int:
+    if on_progress is None or not progress.exists():
+        return seen
+    lines = progress.read_text().splitlines()
+    for line in lines[seen:]:
+        rec = json.loads(line)
+        on_progress(rec["job"], rec["step"])
+    return len(lines)

@@ -1,0 +1,103 @@
+"""Small models that reproduce ZeRO-3 trace hazards; shared by `repro`, tests and bench."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EMBED = 512  # the report's width: biases (512) are persistent, weights (512*512) are not
+IMAGE = 16
+PATCH = 4
+CLASSES = 10
+
+
+class AttentionPool2d(nn.Module):
+    """CLIP's attention pooling: hands its projections' tensors to F.multi_head_attention_forward.
+
+    The four nn.Linear children never run, so ZeRO-3 only learns of their parameters when this
+    module's forward reads them: the pattern behind the report.
+    """
+
+    def __init__(self, spacial_dim: int, embed_dim: int, num_heads: int, output_dim: int | None = None):
+        super().__init__()
+        self.positional_embedding = nn.Parameter(torch.randn(spacial_dim**2 + 1, embed_dim) / embed_dim**0.5)
+        self.k_proj = nn.Linear(embed_dim, embed_dim)
+        self.q_proj = nn.Linear(embed_dim, embed_dim)
+        self.v_proj = nn.Linear(embed_dim, embed_dim)
+        self.c_proj = nn.Linear(embed_dim, output_dim or embed_dim)
+        self.num_heads = num_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(start_dim=2).permute(2, 0, 1)  # NCHW -> (HW)NC
+        x = torch.cat([x.mean(dim=0, keepdim=True), x], dim=0)
+        x = x + self.positional_embedding[:, None, :].to(x.dtype)
+        x, _ = F.multi_head_attention_forward(
+            query=x[:1], key=x, value=x, embed_dim_to_check=x.shape[-1], num_heads=self.num_heads,
+            q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight, in_proj_weight=None,
+            in_proj_bias=torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]),
+            bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+            out_proj_weight=self.c_proj.weight, out_proj_bias=self.c_proj.bias,
+            use_separate_proj_weight=True, training=self.training, need_weights=False)
+        return x.squeeze(0)
+
+
+class VisualEncoder(nn.Module):
+    def __init__(self, width: int = EMBED):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, kernel_size=PATCH, stride=PATCH)
+        self.attnpool = AttentionPool2d(IMAGE // PATCH, width, num_heads=8)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.attnpool(F.gelu(self.stem(images)))
+
+
+class ClipLike(nn.Module):
+    """Stem -> attention pooling -> head, as in the report's custom CLIP-style model."""
+
+    def __init__(self, width: int = EMBED, classes: int = CLASSES):
+        super().__init__()
+        self.visual = VisualEncoder(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.visual(images))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding -> blocks -> output projection tied to the embedding, read directly.
+
+    `skip_odd` drops the middle block on odd steps (a module order that changes between steps);
+    `side_read_every` makes the root read the first block's fc1.bias only on some steps. The step
+    comes in as an argument so that the pattern survives a resume and is the same on every rank.
+    """
+
+    def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
+                 side_read_every: int = 0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.skip_odd = skip_odd
+        self.side_read_every = side_read_every
+
+    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            if self.skip_odd and i == len(self.blocks) // 2 and step % 2 == 1:
+                continue
+            x = block(x)
+        if self.side_read_every and step % self.side_read_every == 0:
+            x = x + self.blocks[0].fc1.bias[: x.shape[-1]]
+        return F.linear(self.norm(x), self.embed.weight)  # tied output projection

@@ -1,0 +1,69 @@
+"""Rank entry point: `torchrun ... -m z3guard.scenarios.worker SPEC.json` runs the spec's jobs in order."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 on CPUs without AVX512-FP16 although torch's kernels
+    run; the reproduction (and only it) says yes so that the report's fp16 loss scaling is exercised."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        type(acc).is_fp16_supported = lambda self: True
+        type(acc).supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
+
+
+def main(spec_path: str) -> int:
+    import deepspeed
+    import torch.distributed as dist
+
+    from . import job as jobs
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    device = spec.get("device", "cpu")
+    if device == "cpu":
+        allow_fp16_on_cpu()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    progress = out / "progress.jsonl"
+
+    def on_step(name: str, step: int) -> None:
+        if rank == 0:
+            with progress.open("a") as f:
+                f.write(json.dumps({"job": name, "step": step}) + "\n")
+
+    for d in spec["jobs"]:
+        job = jobs.Job.from_dict(d)
+        _set_guard(job.guard)
+        result = jobs.run(job, rank, world, on_step)
+        state = result.pop("state", None)
+        if state is not None and rank == 0:
+            torch.save(state, out / f"{job.name}.state.pt")
+        (out / f"{job.name}.rank{rank}.json").write_text(json.dumps(result, indent=1))
+        on_step(job.name, -1)
+    _set_guard(False)
+    dist.destroy_process_group()
+    return 0
+
+
+def _set_guard(on: bool) -> None:
+    import z3guard
+
+    if on:
+        z3guard.install()
+    else:
+        z3guard.uninstall()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
