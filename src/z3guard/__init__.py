@@ -1,12 +1,86 @@
-"""z3guard: keep DeepSpeed ZeRO-3 training alive through resume, skipped steps and trace divergences."""
+"""z3guard: keep DeepSpeed ZeRO-3 training alive through resume, skipped steps and trace divergences.
+
+    import z3guard; z3guard.install()   # before the engine is created (Trainer, accelerate included)
+    z3guard.guard(engine)                # or: guard an engine that already exists
+"""
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
+from typing import Any
+
+from .diagnose import Divergence
+from .options import GuardOptions
+
 __version__ = "0.1.0"
+__all__ = ["install", "uninstall", "guard", "report", "summary", "GuardOptions", "Divergence"]
+
+log = logging.getLogger("z3guard")
+_GUARDED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_state: dict[str, Any] = {"installed": False, "options": GuardOptions()}
 
 
-def install() -> None:
-    raise NotImplementedError("the guard is not built yet")
+def install(options: GuardOptions | None = None) -> None:
+    """Guard every ZeRO-3 engine created from now on. Idempotent; refuses an unsupported DeepSpeed."""
+    from . import adapter
+    from .trace import on_read
+
+    if options is not None:
+        _state["options"] = options
+    if _state["installed"]:
+        return
+    adapter.load().patch_globals(on_read, _on_engine)
+    _state["installed"] = True
 
 
 def uninstall() -> None:
-    pass
+    """Undo `install()` and unguard every engine; a no-op when nothing was installed."""
+    from . import adapter
+
+    for g in list(_GUARDED.values()):
+        g.remove()
+    _GUARDED.clear()
+    adapter.load().unpatch_globals()
+    _state["installed"] = False
+
+
+def guard(engine: Any, options: GuardOptions | None = None):
+    """Guard an existing engine; returns its EngineGuard (None if the engine is not ZeRO-3). Idempotent."""
+    from . import adapter
+    from .guard import EngineGuard
+    from .trace import on_read
+
+    if engine in _GUARDED:
+        return _GUARDED[engine]
+    ad = adapter.load()
+    if not ad.is_zero3(engine):
+        log.info("z3guard: engine is not ZeRO stage 3; nothing to guard")
+        return None
+    ad.patch_globals(on_read, _on_engine)  # reads must be seen even without install()
+    g = EngineGuard(engine, ad, options or _state["options"])
+    _GUARDED[engine] = g
+    return g
+
+
+def _on_engine(engine: Any) -> None:
+    if _state["installed"]:
+        guard(engine)
+
+
+def report(engine: Any) -> list[Divergence]:
+    """Every trace divergence recorded for `engine` (empty if unguarded or none happened)."""
+    g = _GUARDED.get(engine)
+    return g.divergences if g is not None else []
+
+
+def summary(engine: Any) -> str:
+    g = _GUARDED.get(engine)
+    return g.summary() if g is not None else "z3guard: engine not guarded"
+
+
+@atexit.register
+def _summarise() -> None:
+    for g in list(_GUARDED.values()):
+        if g.diagnostics.warn and g.diagnostics.divergences:
+            log.warning(g.summary())

@@ -52,6 +52,7 @@ def main(spec_path: str) -> int:
         (out / f"{job.name}.rank{rank}.json").write_text(json.dumps(result, indent=1))
         on_step(job.name, -1)
     _set_guard(False)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
@@ -66,4 +67,7 @@ def _set_guard(on: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: gloo/shm threads can abort there after a clean run

@@ -1,0 +1,92 @@
+"""Per-engine trace guard: keeps persistent parameters in one state, validates and recovers."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..diagnose import CrossModuleRead, Diagnostics, Divergence, Names
+from .registration import GUARDS
+
+
+class TraceGuard:
+    """Answers the guarded coordinator's questions for one engine (see `adapter.base.TraceHooks`)."""
+
+    def __init__(self, engine: Any, adapter: Any, names: Names, diagnostics: Diagnostics):
+        self.engine = engine
+        self.adapter = adapter
+        self.names = names
+        self.diagnostics = diagnostics
+        self.recorded: dict[int, dict[int, nn.Parameter]] = {}  # id(module) -> {id(param): param}
+        self.persistent = adapter.persistent_params(engine)
+        self.restored = 0  # persistent parameters re-gathered at the start of a step
+        for m in engine.module.modules():
+            GUARDS[m] = self
+        self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
+
+    def remove(self) -> None:
+        self._hook.remove()
+        for m in self.engine.module.modules():
+            GUARDS.pop(m, None)
+
+    @property
+    def step(self) -> int:
+        return int(getattr(self.engine, "global_steps", 0)) + 1
+
+    def _restore_persistent(self, module: nn.Module, args: Any) -> None:
+        """Every step starts with persistent parameters gathered, whatever came before: a skipped
+        step, GatheredParameters, an explicit partition, a checkpoint load. Stock DeepSpeed
+        re-gathers them only at the end of an applied step."""
+        missing = [p for p in self.persistent if not self.adapter.is_gathered(p)]
+        if missing:
+            self.adapter.gather(missing)
+            self.restored += len(missing)
+
+    # -- TraceHooks ------------------------------------------------------------------------
+    def on_trace_complete(self, modules: tuple[nn.Module, ...]) -> None:
+        self.recorded = {id(m): {id(p): p for p in self.adapter.module_params(m)} for m in modules}
+
+    def param_divergence(self, module: nn.Module) -> Divergence | None:
+        recorded = self.recorded.get(id(module))
+        if recorded is None:
+            return None  # not in the trace: the order check reports it
+        now = {id(p): p for p in self.adapter.module_params(module)}
+        if now.keys() == recorded.keys():
+            return None
+        added = [p for k, p in now.items() if k not in recorded]
+        removed = [p for k, p in recorded.items() if k not in now]
+        path = self.names.module(module)
+        foreign = [p for p in added if not any(p is q for q in dict.values(module._parameters))]
+        if foreign:
+            cause = ("parameters of other modules were first read by this module's forward after the trace "
+                     "was recorded (a read that happens only on some steps, or one stock ZeRO-3 missed "
+                     "because the parameter was gathered when the trace was recorded)")
+        else:
+            cause = "the module's own parameters changed after the trace was recorded"
+        fix = "; ".join(f"deepspeed.zero.register_external_parameter({self.names.attr_path(path)}, "
+                        f"{self.names.attr_path(self.names.param(p))})" for p in foreign)
+        d = Divergence("param-set", self.step, path, tuple(sorted(self.names.param(p) for p in added)),
+                       tuple(sorted(self.names.param(p) for p in removed)), cause=cause, fix=fix)
+        self.diagnostics.add(d)
+        self.recorded.pop(id(module), None)
+        return d
+
+    def order_divergence(self, position: int, expected: nn.Module | None, got: nn.Module) -> None:
+        self.diagnostics.add(Divergence(
+            "order", self.step, self.names.module(got), expected=self.names.module(expected),
+            cause=f"the module order departs from the recorded trace at position {position} "
+                  "(control flow that differs between steps: a skipped block, routing, a new branch)",
+            fix="make the module order the same on every step, or mark the varying part a leaf with "
+                "deepspeed.utils.set_z3_leaf_modules"))
+
+    def on_tracing_error(self, module: nn.Module, error: RuntimeError) -> None:
+        self.diagnostics.add(Divergence(
+            "tracing-error", self.step, self.names.module(module),
+            cause="DeepSpeed's fetch queue disagreed with the module's parameters: "
+                  + str(error).splitlines()[0]))
+
+    # -- registration notes ---------------------------------------------------------------
+    def note_read(self, running: nn.Module, param: nn.Parameter, source: str | None) -> None:
+        self.diagnostics.reads.append(CrossModuleRead(
+            self.names.module(running), self.names.param(param), bool(getattr(param, "ds_persist", False)),
+            self.step, source))

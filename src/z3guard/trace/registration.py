@@ -1,0 +1,42 @@
+"""Where a parameter read becomes a registration.
+
+Stock ZeRO-3 registers a parameter that a module's forward reads from another module only if the
+parameter happens to be partitioned at that moment, so the recorded trace depends on what was
+gathered when it was recorded (after a resume, persistent biases are gathered and never make it in).
+Here the read is registered the first time it happens, whatever the parameter's state: the trace
+then depends on the code path alone.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .guard import TraceGuard
+
+# Every module of a guarded engine -> that engine's TraceGuard. Unguarded modules are left alone.
+GUARDS: "weakref.WeakKeyDictionary[nn.Module, TraceGuard]" = weakref.WeakKeyDictionary()
+
+
+def on_read(running: nn.Module, param: nn.Parameter) -> None:
+    """Called by the adapter when `running`'s forward reads a parameter of another module."""
+    guard = GUARDS.get(running)
+    if guard is None or guard.adapter.owns(running, param):
+        return
+    guard.adapter.register_external(running, param)
+    guard.note_read(running, param, _user_frame())
+
+
+def _user_frame() -> str | None:
+    """The first caller outside torch, DeepSpeed and z3guard: where the user's model read it."""
+    frame = sys._getframe(2)
+    skip = ("/torch/", "/deepspeed/", "/z3guard/adapter/", "/z3guard/trace/")
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(s in name for s in skip):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
