@@ -48,7 +48,7 @@ def uninstall() -> None:
 def guard(engine: Any, options: GuardOptions | None = None):
     """Guard an existing engine; returns its EngineGuard (None if the engine is not ZeRO-3). Idempotent."""
     from . import adapter
-    from .guard import EngineGuard
+    from .engine_guard import EngineGuard
     from .trace import on_read
 
     if engine in _GUARDED:

@@ -21,6 +21,9 @@ class Scenario:
     hidden: int
     micro_batch: int = 4
     config: dict[str, Any] = field(default_factory=dict)  # overrides of the resolved HF config
+    # (reading module, parameter) pairs read across modules: what a stock user would have to
+    # pass to deepspeed.zero.register_external_parameter, the documented workaround.
+    reads: tuple[tuple[str, str], ...] = ()
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
@@ -43,14 +46,29 @@ def _token_batch(step: int, micro: int, rank: int, dtype: torch.dtype, n: int = 
     return (tokens[:, :-1],), {"step": step}, tokens[:, 1:]
 
 
+CLIP_READS = tuple(("visual.attnpool", f"visual.attnpool.{proj}.{kind}")
+                   for proj in ("q_proj", "k_proj", "v_proj", "c_proj") for kind in ("weight", "bias"))
+
+LM_SCALE = {"fp16": {"initial_scale_power": 8}}
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
-        Scenario("clip", ClipLike, _image_batch, hidden=EMBED),
+        Scenario("clip", ClipLike, _image_batch, hidden=EMBED, reads=CLIP_READS),
+        Scenario("clip-ckpt-reentrant", lambda: ClipLike(checkpointing="reentrant"), _image_batch,
+                 hidden=EMBED, reads=CLIP_READS),
+        Scenario("clip-ckpt-non-reentrant", lambda: ClipLike(checkpointing="non-reentrant"), _image_batch,
+                 hidden=EMBED, reads=CLIP_READS),
         # LM width 64: HF "auto" persistence threshold 640 keeps biases/norms persistent, weights not.
-        Scenario("tied", lambda: TinyLM(), _token_batch, hidden=64),
-        Scenario("skip-block", lambda: TinyLM(skip_odd=True), _token_batch, hidden=64),
-        Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64),
+        # A lower initial loss scale than the report's 2^16, so that no step overflows on its own.
+        Scenario("tied", lambda: TinyLM(), _token_batch, hidden=64, config=LM_SCALE,
+                 reads=(("head", "embed.weight"),)),
+        Scenario("skip-block", lambda: TinyLM(skip_odd=True), _token_batch, hidden=64, config=LM_SCALE,
+                 reads=(("head", "embed.weight"),)),
+        # Reuse distance 0: a weight is released after each use, so the late read finds it partitioned.
+        Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64,
+                 config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
+                 reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
     ]
 }
 

@@ -27,9 +27,10 @@ class Job:
     save_after: int | None = None
     save_dir: str | None = None
     load_dir: str | None = None  # resume from here (the step comes from the checkpoint)
-    events: dict[str, str] = field(default_factory=dict)  # "step" -> gathered|partition|eval
+    events: dict[str, list[str]] = field(default_factory=dict)  # "step" -> [gathered|partition|eval]
     grad_accum: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
     seed: int = 1234
 
     @classmethod
@@ -46,6 +47,7 @@ class Crash:
     message: str
     module: str | None
     params: list[str]
+    summary: str
 
     @classmethod
     def parse(cls, step: int, exc: BaseException, module_paths: dict[int, str]) -> "Crash":
@@ -53,7 +55,13 @@ class Crash:
         mod = re.search(r"module id: (\d+)", text)
         expected = text.split("but got")[0]
         names = sorted(set(re.findall(r"name=(\S+?) id=", expected)))
-        return cls(step, text, module_paths.get(int(mod.group(1))) if mod else None, names)
+        got = sorted(set(re.findall(r"name=(\S+?) id=", text.split("but got")[-1])))
+        count = re.search(r"expected the next (\d+) parameters", text)
+        summary = text.strip().splitlines()[0]
+        if count:
+            summary += (f" expected the next {count.group(1)} parameters in the parameter fetch queue"
+                        f" but got ({', '.join(got)})")
+        return cls(step, text, module_paths.get(int(mod.group(1))) if mod else None, names, summary)
 
 
 def build_config(job: Job, scenario: catalog.Scenario, world: int) -> dict[str, Any]:
@@ -86,6 +94,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     dtype = DTYPES[job.dtype]
     torch.manual_seed(job.seed)
     model = scenario.make_model()
+    if job.preregister:
+        for reader, param in scenario.reads:
+            deepspeed.zero.register_external_parameter(model.get_submodule(reader), model.get_parameter(param))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=build_config(job, scenario, world))
@@ -109,12 +120,20 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
             result["losses"][str(step)] = value
             if not engine.was_step_applied():
                 result["skipped"].append(step)
-            _between_steps(engine, scenario, job.events.get(str(step)), step, rank, dtype)
+            for event in job.events.get(str(step), []):
+                _between_steps(engine, scenario, event, step, rank, dtype)
             if job.save_after == step:
                 engine.save_checkpoint(job.save_dir, tag=f"step{step}", client_state={"step": step})
             on_step(job.name, step)
     except RuntimeError as exc:  # the failure under study; anything else propagates
         result["crash"] = asdict(Crash.parse(step, exc, paths))
+    if job.guard:
+        import z3guard
+
+        g = z3guard.guard(engine)
+        result["divergences"] = [d.to_dict() for d in g.divergences]
+        result["reads"] = [vars(r) for r in g.diagnostics.reads]
+        result["restored"] = g.trace.restored
     if result["crash"] is None:
         result["state"] = gathered_state(engine)
         result["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
@@ -122,7 +141,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     return result
 
 
-def _between_steps(engine, scenario, event: str | None, step: int, rank: int, dtype) -> None:
+def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) -> None:
     import deepspeed
 
     if event == "gathered":
@@ -136,5 +155,5 @@ def _between_steps(engine, scenario, event: str | None, step: int, rank: int, dt
             args, kwargs, _ = scenario.make_batch(10_000 + step, 0, rank, dtype)
             engine(*args, **kwargs)
         engine.train()
-    elif event is not None:
+    else:
         raise ValueError(f"unknown event {event!r} (expected gathered, partition or eval)")

@@ -44,9 +44,9 @@ def rank_env(device: str) -> dict[str, str]:
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("LOCAL_SIZE", "2")  # else the CPU accelerator shells out to numactl
-        import deepspeed
+        from importlib.metadata import version
 
-        ext = Path(sys.prefix) / f"torch_extensions-ds{deepspeed.__version__}"
+        ext = Path(sys.prefix) / f"torch_extensions-ds{version('deepspeed')}"
         env.setdefault("TORCH_EXTENSIONS_DIR", str(ext))
     else:
         env["DS_ACCELERATOR"] = "cuda"

@@ -43,21 +43,27 @@ class AttentionPool2d(nn.Module):
 
 
 class VisualEncoder(nn.Module):
-    def __init__(self, width: int = EMBED):
+    def __init__(self, width: int = EMBED, checkpointing: str | None = None):
         super().__init__()
         self.stem = nn.Conv2d(3, width, kernel_size=PATCH, stride=PATCH)
         self.attnpool = AttentionPool2d(IMAGE // PATCH, width, num_heads=8)
+        self.checkpointing = checkpointing  # None | "reentrant" | "non-reentrant"
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.attnpool(F.gelu(self.stem(images)))
+        x = F.gelu(self.stem(images))
+        if self.checkpointing and self.training:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.attnpool, x, use_reentrant=self.checkpointing == "reentrant")
+        return self.attnpool(x)
 
 
 class ClipLike(nn.Module):
     """Stem -> attention pooling -> head, as in the report's custom CLIP-style model."""
 
-    def __init__(self, width: int = EMBED, classes: int = CLASSES):
+    def __init__(self, width: int = EMBED, classes: int = CLASSES, checkpointing: str | None = None):
         super().__init__()
-        self.visual = VisualEncoder(width)
+        self.visual = VisualEncoder(width, checkpointing)
         self.head = nn.Linear(width, classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -75,12 +81,30 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
-class TinyLM(nn.Module):
-    """Embedding -> blocks -> output projection tied to the embedding, read directly.
+class LMHead(nn.Module):
+    """Final norm and an output projection tied to the embedding, read directly from another module.
 
-    `skip_odd` drops the middle block on odd steps (a module order that changes between steps);
-    `side_read_every` makes the root read the first block's fc1.bias only on some steps. The step
-    comes in as an argument so that the pattern survives a resume and is the same on every rank.
+    On steps where `side_read_every` divides the step it also reads the first block's fc1.weight:
+    a cross-module read that happens only on some batches.
+    """
+
+    def __init__(self, width: int, side_read_every: int = 0):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.side_read_every = side_read_every
+
+    def forward(self, x: torch.Tensor, lm: "TinyLM", step: int) -> torch.Tensor:
+        if self.side_read_every and step % self.side_read_every == 0:
+            x = x + lm.blocks[0].fc1.weight.mean(0)
+        return F.linear(self.norm(x), lm.embed.weight)
+
+
+class TinyLM(nn.Module):
+    """Embedding -> blocks -> head whose projection is the embedding's weight (tied, read directly).
+
+    `skip_odd` drops the middle block on odd steps (a module order that changes between steps).
+    The step comes in as an argument so that the pattern survives a resume and is the same on
+    every rank.
     """
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
@@ -88,9 +112,8 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.norm = nn.LayerNorm(width)
+        self.head = LMHead(width, side_read_every)
         self.skip_odd = skip_odd
-        self.side_read_every = side_read_every
 
     def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
         x = self.embed(tokens)
@@ -98,6 +121,4 @@ class TinyLM(nn.Module):
             if self.skip_odd and i == len(self.blocks) // 2 and step % 2 == 1:
                 continue
             x = block(x)
-        if self.side_read_every and step % self.side_read_every == 0:
-            x = x + self.blocks[0].fc1.bias[: x.shape[-1]]
-        return F.linear(self.norm(x), self.embed.weight)  # tied output projection
+        return self.head(x, self, step)

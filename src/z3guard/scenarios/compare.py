@@ -1,0 +1,39 @@
+"""Bit-for-bit comparison of two runs: losses by step, and gathered tensors by name."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Difference:
+    where: str  # "loss@7" or a tensor name
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.detail}"
+
+
+def first_loss_difference(reference: dict[str, float], other: dict[str, float]) -> Difference | None:
+    for step in sorted(other, key=int):
+        if step not in reference:
+            return Difference(f"loss@{step}", "step missing from the reference run")
+        a, b = reference[step], other[step]
+        if a != b and not (math.isnan(a) and math.isnan(b)):
+            return Difference(f"loss@{step}", f"{b!r} != reference {a!r} (abs diff {abs(a - b):.3e})")
+    return None
+
+
+def first_tensor_difference(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> Difference | None:
+    for name in sorted(set(reference) | set(other)):
+        if name not in reference or name not in other:
+            return Difference(name, "present in only one run")
+        a, b = reference[name], other[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return Difference(name, f"shape/dtype {tuple(b.shape)}/{b.dtype} != {tuple(a.shape)}/{a.dtype}")
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs().max().item()
+            return Difference(name, f"max abs diff {diff:.3e}")
+    return None

@@ -1,0 +1,46 @@
+"""Issue 2/3: the report's crash, reproduced on stock DeepSpeed, and the guarded resume."""
+from __future__ import annotations
+
+import pytest
+
+from z3guard.scenarios import compare, repro
+from z3guard.scenarios.job import Job
+
+from .conftest import launch
+
+BIASES = [f"visual.attnpool.{p}_proj.bias" for p in ("c", "k", "q", "v")]
+
+
+@pytest.fixture(scope="module")
+def verdict(runs):
+    return repro.run(repro.ReproPlan(out=runs / "repro"))
+
+
+def test_stock_crashes_with_the_reports_signature(verdict):
+    stock = next(r for r in verdict.rows if r.run.startswith("stock"))
+    assert stock.outcome == "crashed"
+    crash = stock.crash
+    assert crash["step"] == 7  # the step after the forced skip at 6
+    assert crash["message"].startswith("tracing error at step")
+    assert "expected the next 4 parameters in the parameter fetch queue" in crash["message"]
+    assert crash["message"].rstrip().endswith("but got \n ().")
+    assert crash["module"] == "visual.attnpool"
+    assert crash["params"] == BIASES
+
+
+def test_guarded_resume_is_bit_identical_to_the_uninterrupted_run(verdict):
+    guarded = next(r for r in verdict.rows if r.run.startswith("z3guard"))
+    assert guarded.outcome == "completed"
+    assert guarded.matches_reference is True
+    assert verdict.as_expected
+
+
+def test_plain_resume_without_skipped_steps_matches_the_reference(runs):
+    ckpt = str(runs / "plain" / "ckpt")
+    first = launch([Job("phase1", steps=3, save_after=3, save_dir=ckpt),
+                    Job("reference", steps=6)], runs / "plain" / "a")
+    second = launch([Job("resumed", steps=6, load_dir=ckpt)], runs / "plain" / "b")
+    ref, res = first.result("reference"), second.result("resumed")
+    assert res["crash"] is None and res["start"] == 3 and res["skipped"] == []
+    assert compare.first_loss_difference(ref["losses"], res["losses"]) is None
+    assert compare.first_tensor_difference(first.state("reference"), second.state("resumed")) is None
