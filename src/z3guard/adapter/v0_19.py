@@ -129,6 +129,14 @@ class V0_19:
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
         register_external_parameter(module, param)
 
+    def wait_if_inflight(self, engine: Any, param: nn.Parameter) -> None:
+        """A read of a parameter that is being prefetched for another module must wait for it: stock
+        ZeRO-3 gathers only NOT_AVAILABLE ones and hands out the unfilled buffer of an INFLIGHT one."""
+        if param.ds_status == ZeroParamStatus.INFLIGHT:
+            registry = engine.module.ds_inflight_param_registry
+            if param in registry:
+                registry.pop(param).wait()
+
     def module_id(self, module: nn.Module) -> int:
         return module.ds_id
 

@@ -24,7 +24,10 @@ GUARDS: "weakref.WeakKeyDictionary[nn.Module, TraceGuard]" = weakref.WeakKeyDict
 def on_read(running: nn.Module, param: nn.Parameter) -> None:
     """Called by the adapter when `running`'s forward reads a parameter of another module."""
     guard = GUARDS.get(running)
-    if guard is None or guard.adapter.owns(running, param):
+    if guard is None:
+        return
+    guard.adapter.wait_if_inflight(guard.engine, param)
+    if guard.adapter.owns(running, param):
         return
     guard.adapter.register_external(running, param)
     guard.note_read(running, param, _user_frame())

@@ -1,0 +1,88 @@
+"""The scenario matrix of issue 3: each case as stock, guarded and a reference run.
+
+Two launches run the whole matrix (fresh engines in the same ranks): phase 1 (train, save) with the
+uninterrupted references, then the resumed/straight stock and guarded runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from z3guard.scenarios.job import Job
+
+BIASES = [f"visual.attnpool.{p}_proj.bias" for p in ("c", "k", "q", "v")]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    job: dict[str, Any] = field(default_factory=dict)  # scenario, dtype, config, grad_accum
+    resume: bool = True  # phase 1 saves after step 4; stock and guarded resume from it
+    skip_at: tuple[int, ...] = (6,)
+    events: dict[str, list[str]] = field(default_factory=dict)
+    steps: int = 9
+    stock_crash_step: int | None = 7  # None: stock completes
+    stock_message: str = "but got \n ()."
+    stock_params: tuple[str, ...] = tuple(BIASES)
+    stock_module: str = "visual.attnpool"
+    stock_differs: bool = False  # stock completes but its results differ from the reference
+    reference_preregistered: bool = False  # reference = stock with register_external_parameter calls
+
+
+CLIP_CASES = [
+    Case("resume-skip-fp16"),
+    Case("resume-skip-bf16", {"dtype": "bf16"}),
+    Case("skip-first-step-after-resume", skip_at=(5,), stock_crash_step=6),
+    Case("gathered-parameters", skip_at=(), events={"6": ["gathered"]}),
+    Case("partition-all", skip_at=(), events={"6": ["partition"]}),
+    Case("eval-between-steps", events={str(s): ["eval"] for s in range(5, 10)}),
+    Case("grad-accum-2", {"grad_accum": 2}),
+    Case("ckpt-reentrant", {"scenario": "clip-ckpt-reentrant"}),
+    Case("ckpt-non-reentrant", {"scenario": "clip-ckpt-non-reentrant"}),
+    Case("offload-none", {"config": {"zero_optimization": {"offload_param": {"device": "none"},
+                                                           "offload_optimizer": {"device": "none"}}}}),
+    Case("prefetch-0", {"config": {"zero_optimization": {"stage3_prefetch_bucket_size": 0}}},
+         stock_message="expected the next 9 parameters",
+         stock_params=tuple(sorted(BIASES + [f"visual.attnpool.{p}_proj.weight" for p in "ckqv"]
+                                   + ["visual.attnpool.positional_embedding"]))),
+    Case("prefetch-large", {"config": {"zero_optimization": {"stage3_prefetch_bucket_size": 10**9}}}),
+    Case("persistence-0", {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}},
+         stock_crash_step=None),
+]
+LM_CASES = [
+    # The late read (steps 3, 6, 9) finds the weight partitioned: stock registers it mid-trace and
+    # the head's backward fetch no longer matches the frozen trace.
+    Case("read-on-some-steps", {"scenario": "side-read",
+                                "config": {"zero_optimization": {"stage3_prefetch_bucket_size": 0}}},
+         resume=False, skip_at=(), stock_crash_step=3, stock_module="head",
+         stock_message="expected the next 2 parameters", stock_params=("blocks.0.fc1.weight", "embed.weight"),
+         reference_preregistered=True),
+    # Same read, prefetch on: the weight is in flight (prefetched for blocks.0's backward) when the
+    # head reads it; stock hands out the unfilled buffer, and the run silently goes wrong (NaN or
+    # wrong loss at step 3, skipped steps after).
+    Case("read-while-prefetched", {"scenario": "side-read"}, resume=False, skip_at=(), stock_crash_step=None,
+         stock_differs=True, reference_preregistered=True),
+    Case("tied-weight-read", {"scenario": "tied"}, resume=False, skip_at=(4,), stock_crash_step=None),
+    Case("module-order-changes", {"scenario": "skip-block"}, resume=False, skip_at=(4,), stock_crash_step=None),
+]
+CASES = CLIP_CASES + LM_CASES
+
+
+def phase1_jobs(cases: list[Case], root: Path) -> list[Job]:
+    jobs = []
+    for c in cases:
+        if c.resume:
+            jobs.append(Job(f"{c.id}-phase1", steps=4, save_after=4, save_dir=str(root / c.id), **c.job))
+        jobs.append(Job(f"{c.id}-reference", steps=c.steps, skip_at=list(c.skip_at), events=c.events,
+                        preregister=c.reference_preregistered, **c.job))
+    return jobs
+
+
+def phase2_jobs(cases: list[Case], root: Path) -> list[Job]:
+    jobs = []
+    for c in cases:
+        common = dict(steps=c.steps, skip_at=list(c.skip_at), events=c.events,
+                      load_dir=str(root / c.id) if c.resume else None, **c.job)
+        jobs += [Job(f"{c.id}-guarded", guard=True, **common), Job(f"{c.id}-stock", **common)]
+    return jobs

@@ -1,0 +1,74 @@
+"""Issue 3: every scenario of the matrix, stock vs guarded vs reference, real ZeRO-3 on 2 gloo ranks."""
+from __future__ import annotations
+
+import pytest
+
+from z3guard.scenarios import compare
+
+from .conftest import launch
+from .matrix import CASES, phase1_jobs, phase2_jobs
+
+
+@pytest.fixture(scope="module")
+def matrix(runs):
+    root = runs / "matrix"
+    first = launch(phase1_jobs(CASES, root / "ckpt"), root / "phase1")
+    second = launch(phase2_jobs(CASES, root / "ckpt"), root / "phase2")
+    return first, second
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_stock_behaviour(matrix, case):
+    first, second = matrix
+    ref = first.result(f"{case.id}-reference")
+    assert ref["crash"] is None, "the uninterrupted reference must not crash"
+    stock = second.result(f"{case.id}-stock")
+    if case.stock_crash_step is None:
+        assert stock["crash"] is None
+        differs = compare.first_loss_difference(ref["losses"], stock["losses"]) is not None
+        assert differs == case.stock_differs
+        return
+    crash = stock["crash"]
+    assert crash is not None, "stock DeepSpeed was expected to crash"
+    assert crash["step"] == case.stock_crash_step
+    assert crash["message"].startswith("tracing error")
+    assert case.stock_message in crash["message"]
+    assert crash["module"] == case.stock_module
+    assert tuple(crash["params"]) == case.stock_params
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_guarded_completes_bit_identical(matrix, case):
+    first, second = matrix
+    name = f"{case.id}-guarded"
+    guarded = second.result(name)
+    assert guarded["crash"] is None
+    ref = first.result(f"{case.id}-reference")
+    assert guarded["skipped"] == [s for s in ref["skipped"] if s > guarded["start"]]
+    assert compare.first_loss_difference(ref["losses"], guarded["losses"]) is None
+    assert compare.first_tensor_difference(first.state(f"{case.id}-reference"), second.state(name)) is None
+
+
+@pytest.mark.parametrize("case", CLIP_CASES := [c for c in CASES if c.job.get("scenario", "clip").startswith("clip")],
+                         ids=lambda c: c.id)
+def test_prevention_leaves_nothing_to_recover(matrix, case):
+    """The report's hazard is prevented at the root: no divergence at all, the reads are registered."""
+    guarded = matrix[1].result(f"{case.id}-guarded")
+    assert [d for d in guarded["divergences"] if d["kind"] != "order"] == []
+    read = {r["param"] for r in guarded["reads"] if r["module"] == "visual.attnpool"}
+    assert read >= set(f"visual.attnpool.{p}_proj.{k}" for p in "qkvc" for k in ("weight", "bias"))
+
+
+@pytest.mark.parametrize("case", ["read-on-some-steps", "read-while-prefetched"])
+def test_late_read_is_recovered_and_named(matrix, case):
+    guarded = matrix[1].result(f"{case}-guarded")
+    (d,) = guarded["divergences"]
+    assert d["kind"] == "param-set" and d["module"] == "head" and d["step"] == 3
+    assert d["added"] == ["blocks.0.fc1.weight"] and d["removed"] == []
+    assert d["fix"] == "deepspeed.zero.register_external_parameter(model.head, model.blocks[0].fc1.weight)"
+
+
+def test_order_change_is_reported_once_per_distinct_divergence(matrix):
+    guarded = matrix[1].result("module-order-changes-guarded")
+    kinds = {(d["kind"], d["module"], d["expected"]) for d in guarded["divergences"]}
+    assert kinds == {("order", "blocks.1", "blocks.2")}
