@@ -55,10 +55,17 @@ def test_prevention_leaves_nothing_to_recover(matrix, case):
     """The report's hazard is prevented at the root: no divergence at all, the reads are registered."""
     guarded = matrix[1].result(f"{case.id}-guarded")
     assert [d for d in guarded["divergences"] if d["kind"] != "order"] == []
+    if case.job.get("scenario") == "clip-leaf" or case.job.get("preregister"):
+        return  # nothing left for z3guard to register
     read = {r["param"] for r in guarded["reads"] if r["module"] == "visual.attnpool"}
     assert read >= set(f"visual.attnpool.{p}_proj.{k}" for p in "qkvc" for k in ("weight", "bias"))
 
 
+LM = {c.id for c in CASES if not c.job.get("scenario", "clip").startswith("clip")}
+needs_lm = pytest.mark.skipif(not LM, reason="LM cases run on DeepSpeed >= 0.15 only (see matrix.cases_for)")
+
+
+@needs_lm
 @pytest.mark.parametrize("case", ["read-on-some-steps", "read-while-prefetched"])
 def test_late_read_is_recovered_and_named(matrix, case):
     guarded = matrix[1].result(f"{case}-guarded")
@@ -68,6 +75,7 @@ def test_late_read_is_recovered_and_named(matrix, case):
     assert d["fix"] == "deepspeed.zero.register_external_parameter(model.head, model.blocks[0].fc1.weight)"
 
 
+@needs_lm
 def test_order_change_is_reported_once_per_distinct_divergence(matrix):
     guarded = matrix[1].result("module-order-changes-guarded")
     kinds = {(d["kind"], d["module"], d["expected"]) for d in guarded["divergences"]}

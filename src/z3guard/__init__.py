@@ -18,7 +18,7 @@ __all__ = ["install", "uninstall", "guard", "report", "summary", "GuardOptions",
 
 log = logging.getLogger("z3guard")
 _GUARDED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_state: dict[str, Any] = {"installed": False, "options": GuardOptions()}
+_state: dict[str, Any] = {"installed": False, "patched": False, "options": GuardOptions()}
 
 
 def install(options: GuardOptions | None = None) -> None:
@@ -31,7 +31,7 @@ def install(options: GuardOptions | None = None) -> None:
     if _state["installed"]:
         return
     adapter.load().patch_globals(on_read, _on_engine)
-    _state["installed"] = True
+    _state["installed"] = _state["patched"] = True
 
 
 def uninstall() -> None:
@@ -41,8 +41,9 @@ def uninstall() -> None:
     for g in list(_GUARDED.values()):
         g.remove()
     _GUARDED.clear()
-    adapter.load().unpatch_globals()
-    _state["installed"] = False
+    if _state["patched"]:
+        adapter.load().unpatch_globals()
+    _state["installed"] = _state["patched"] = False
 
 
 def guard(engine: Any, options: GuardOptions | None = None):
@@ -58,6 +59,7 @@ def guard(engine: Any, options: GuardOptions | None = None):
         log.info("z3guard: engine is not ZeRO stage 3; nothing to guard")
         return None
     ad.patch_globals(on_read, _on_engine)  # reads must be seen even without install()
+    _state["patched"] = True
     g = EngineGuard(engine, ad, options or _state["options"])
     _GUARDED[engine] = g
     return g

@@ -10,6 +10,7 @@ from .base import Adapter
 
 # (first release, first release no longer covered, adapter module). Each range was tested, not assumed.
 SUPPORTED: list[tuple[str, str, str]] = [
+    ("0.14.4", "0.15.0", "v0_14"),
     ("0.19.8", "0.20.0", "v0_19"),
 ]
 

@@ -1,158 +1,20 @@
-"""Adapter for DeepSpeed 0.19.x (tested: 0.19.8).
-
-Touches: `ZeROOrderedDict.__getitem__` (parameter reads in forward), `deepspeed.initialize` (to guard
-engines that Trainer/accelerate create), and, per guarded engine, the class of its
-`PartitionedParameterCoordinator` instance (trace validation and recovery).
-"""
+"""Adapter for DeepSpeed 0.19.x (tested: 0.19.8): one coordinator for train and eval (since 0.15.4),
+reset from the root module's forward pre-hook; invalidation releases in-flight prefetches itself."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
-import torch
-from torch import nn
-
-import deepspeed
-from deepspeed.runtime.zero import parameter_offload as _po
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
-from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
-from deepspeed.utils import z3_leaf_module
-
-from .base import EngineHook, ReadHook, TraceHooks
-
-_P = "_PartitionedParameterCoordinator__"  # name-mangled private state of the coordinator
+from .common import ZeroAdapter
 
 
-class GuardedCoordinator(PartitionedParameterCoordinator):
-    """The stock coordinator plus: a parameter-set check before each fetch, order divergences
-    reported, and a tracing error turned into an invalidated trace instead of a crash."""
-
-    z3guard_hooks: TraceHooks
-
-    def reset_step(self) -> None:
-        was_complete = self.is_complete_trace()
-        super().reset_step()
-        if self.is_complete_trace() and not was_complete:
-            self.z3guard_hooks.on_trace_complete(tuple(getattr(self, _P + "submodule_order")))
-
-    def trace_prologue(self, sub_module: nn.Module) -> None:
-        if self.is_complete_trace():
-            order = getattr(self, _P + "submodule_order")
-            step = getattr(self, _P + "step_id")
-            expected = order[step] if step < len(order) else None
-            if expected is not sub_module:
-                self.z3guard_hooks.order_divergence(step, expected, sub_module)
-        super().trace_prologue(sub_module)
-
-    def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
-        if self.is_complete_trace() and self.z3guard_hooks.param_divergence(current_submodule) is not None:
-            self._invalidate_trace()  # releases in-flight prefetches; the fetch below is on demand
-        try:
-            super().fetch_sub_module(current_submodule, forward)
-        except RuntimeError as exc:
-            if "tracing error" not in str(exc) or not self.is_complete_trace():
-                raise
-            # The module's parameters are gathered already (the check runs after the wait).
-            self.z3guard_hooks.on_tracing_error(current_submodule, exc)
-            self._invalidate_trace()
-            setattr(self, _P + "step_id", getattr(self, _P + "step_id") + 1)
-
-
-class V0_19:
+class V0_19(ZeroAdapter):
     release_range = ">=0.19.8,<0.20"
 
-    def __init__(self) -> None:
-        self._saved: dict[str, Any] = {}
+    def coordinators(self, engine: Any) -> list:
+        return [self.offload(engine).get_param_coordinator()]
 
-    # -- global patches ------------------------------------------------------------------
-    def patch_globals(self, on_read: ReadHook, on_engine: EngineHook) -> None:
-        if self._saved:
-            return
-        original_getitem = _po.ZeROOrderedDict.__getitem__
-        original_initialize = deepspeed.initialize
-
-        def __getitem__(self, key):
-            param = dict.__getitem__(self, key)
-            if param is not None and self._in_forward and hasattr(param, "ds_status") and _po.FWD_MODULE_STACK \
-                    and not torch.compiler.is_compiling():
-                running = _po.FWD_MODULE_STACK[-1]
-                if running is not self._parent_module:
-                    on_read(running, param)
-            return original_getitem(self, key)
-
-        def initialize(*args, **kwargs):
-            result = original_initialize(*args, **kwargs)
-            on_engine(result[0])
-            return result
-
-        initialize.__wrapped__ = original_initialize
-        self._saved = {"getitem": original_getitem, "initialize": original_initialize}
-        _po.ZeROOrderedDict.__getitem__ = __getitem__
-        deepspeed.initialize = initialize
-
-    def unpatch_globals(self) -> None:
-        if not self._saved:
-            return
-        _po.ZeROOrderedDict.__getitem__ = self._saved["getitem"]
-        deepspeed.initialize = self._saved["initialize"]
-        self._saved = {}
-
-    # -- engine and parameters -----------------------------------------------------------
-    def _offload(self, engine: Any):
-        opt = getattr(engine, "optimizer", None)
-        if isinstance(opt, _po.DeepSpeedZeRoOffload):
-            return opt
-        return getattr(opt, "parameter_offload", None)
-
-    def is_zero3(self, engine: Any) -> bool:
-        return self._offload(engine) is not None
-
-    def persistent_params(self, engine: Any) -> list[nn.Parameter]:
-        return list(self._offload(engine).persistent_parameters)
-
-    def gather(self, params: list[nn.Parameter]) -> None:
-        if params:
-            params[0].all_gather(param_list=params)
-
-    def is_gathered(self, param: nn.Parameter) -> bool:
-        return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
-
-    def module_params(self, module: nn.Module) -> Iterable[nn.Parameter]:
-        return iter_params(module, recurse=z3_leaf_module(module))
-
-    def owns(self, module: nn.Module, param: nn.Parameter) -> bool:
-        """True when `param` is already among what ZeRO-3 fetches for `module`."""
-        if getattr(param, "ds_z3_leaf_module", None) is module:
-            return True
-        return id(param) in getattr(module, "_external_params", {}) or any(
-            p is param for p in dict.values(module._parameters))
-
-    def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
-        register_external_parameter(module, param)
-
-    def wait_if_inflight(self, engine: Any, param: nn.Parameter) -> None:
-        """A read of a parameter that is being prefetched for another module must wait for it: stock
-        ZeRO-3 gathers only NOT_AVAILABLE ones and hands out the unfilled buffer of an INFLIGHT one."""
-        if param.ds_status == ZeroParamStatus.INFLIGHT:
-            registry = engine.module.ds_inflight_param_registry
-            if param in registry:
-                registry.pop(param).wait()
-
-    def module_id(self, module: nn.Module) -> int:
-        return module.ds_id
-
-    def param_id(self, param: torch.Tensor) -> int:
-        return param.ds_id
-
-    # -- the coordinator -----------------------------------------------------------------
-    def guard_coordinator(self, engine: Any, hooks: TraceHooks) -> None:
-        coordinator = self._offload(engine).get_param_coordinator()
-        coordinator.z3guard_hooks = hooks
-        coordinator.__class__ = GuardedCoordinator
-
-    def unguard_coordinator(self, engine: Any) -> None:
-        coordinator = self._offload(engine).get_param_coordinator()
-        if isinstance(coordinator, GuardedCoordinator):
-            coordinator.__class__ = PartitionedParameterCoordinator
+    def inflight_registries(self, engine: Any) -> list[dict]:
+        return [engine.module.ds_inflight_param_registry]
 
 
 ADAPTER = V0_19()

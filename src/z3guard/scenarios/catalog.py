@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import CLASSES, EMBED, IMAGE, ClipLike, TinyLM
+from .models import CLASSES, EMBED, IMAGE, AttentionPool2d, ClipLike, TinyLM
 
 Batch = tuple[tuple, dict, torch.Tensor]  # forward args, forward kwargs, target
 
@@ -27,6 +27,15 @@ class Scenario:
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _clip_with_leaf_pooling() -> nn.Module:
+    """The documented workaround: ZeRO-3 fetches a leaf module's whole subtree at once."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    model = ClipLike()
+    set_z3_leaf_modules(model, [AttentionPool2d])
+    return model
 
 
 def _gen(step: int, micro: int, rank: int) -> torch.Generator:
@@ -55,6 +64,7 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
         Scenario("clip", ClipLike, _image_batch, hidden=EMBED, reads=CLIP_READS),
+        Scenario("clip-leaf", _clip_with_leaf_pooling, _image_batch, hidden=EMBED),
         Scenario("clip-ckpt-reentrant", lambda: ClipLike(checkpointing="reentrant"), _image_batch,
                  hidden=EMBED, reads=CLIP_READS),
         Scenario("clip-ckpt-non-reentrant", lambda: ClipLike(checkpointing="non-reentrant"), _image_batch,

@@ -28,6 +28,7 @@ class Job:
     save_dir: str | None = None
     load_dir: str | None = None  # resume from here (the step comes from the checkpoint)
     events: dict[str, list[str]] = field(default_factory=dict)  # "step" -> [gathered|partition|eval]
+    regather_after_skip: bool = False  # the workaround users are given: re-gather persistent params
     grad_accum: int = 1
     config: dict[str, Any] = field(default_factory=dict)
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
@@ -100,7 +101,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=build_config(job, scenario, world))
-    paths = {m.ds_id: name or "<root>" for name, m in engine.module.named_modules() if hasattr(m, "ds_id")}
+    # DeepSpeed's errors name modules by their ZeRO id: `ds_id` since 0.15, `id` before.
+    paths = {getattr(m, "ds_id", getattr(m, "id", None)): name or "<root>" for name, m in engine.module.named_modules()}
     start = 0
     if job.load_dir:
         _, client = engine.load_checkpoint(job.load_dir)
@@ -120,6 +122,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
             result["losses"][str(step)] = value
             if not engine.was_step_applied():
                 result["skipped"].append(step)
+                if job.regather_after_skip:
+                    persistent = engine.optimizer.persistent_parameters
+                    persistent[0].all_gather(param_list=persistent)
             for event in job.events.get(str(step), []):
                 _between_steps(engine, scenario, event, step, rank, dtype)
             if job.save_after == step:

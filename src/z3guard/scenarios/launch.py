@@ -39,13 +39,17 @@ class Launch:
 
 
 def rank_env(device: str) -> dict[str, str]:
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if Version(version("deepspeed")) < Version("0.15"):
+        env.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # its checkpoints predate torch 2.6's default
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("LOCAL_SIZE", "2")  # else the CPU accelerator shells out to numactl
-        from importlib.metadata import version
-
         ext = Path(sys.prefix) / f"torch_extensions-ds{version('deepspeed')}"
         env.setdefault("TORCH_EXTENSIONS_DIR", str(ext))
     else:

@@ -1,0 +1,34 @@
+"""Adapter for DeepSpeed 0.14.x (tested: 0.14.4): a coordinator per mode (train/eval), created on
+first use; the training one is reset at the end of backward. Its trace invalidation leaves in-flight
+prefetches behind (and reset_step then refuses to run), so the guarded class releases them."""
+from __future__ import annotations
+
+from typing import Any
+
+from .common import P, GuardedCoordinator, ZeroAdapter
+
+
+class GuardedCoordinator14(GuardedCoordinator):
+    def _invalidate_trace(self) -> None:
+        super()._invalidate_trace()
+        registry = getattr(self, P + "inflight_param_registry")
+        release = getattr(self, P + "release_param")
+        for param, handle in list(registry.items()):
+            handle.wait()
+            del registry[param]
+            release(param)  # partitions it unless a running module still holds it
+
+
+class V0_14(ZeroAdapter):
+    release_range = ">=0.14.4,<0.15"
+    guarded_class = GuardedCoordinator14
+
+    def coordinators(self, engine: Any) -> list:
+        offload = self.offload(engine)
+        return [offload.get_param_coordinator(training=mode) for mode in (True, False)]
+
+    def inflight_registries(self, engine: Any) -> list[dict]:
+        return list(engine.module.ds_inflight_param_registry.values())
+
+
+ADAPTER = V0_14()

@@ -1,0 +1,50 @@
+"""The version gate and the public verbs, in-process (no process group needed)."""
+from __future__ import annotations
+
+import pytest
+
+import z3guard
+from z3guard import adapter
+
+
+@pytest.mark.parametrize("release", ["0.9.1", "0.14.3", "0.15.0", "0.18.9", "0.19.7", "0.20.0"])
+def test_unsupported_release_is_refused_by_name(release):
+    with pytest.raises(adapter.UnsupportedDeepSpeed) as err:
+        adapter.adapter_for(release)
+    msg = str(err.value)
+    assert f"DeepSpeed {release}" in msg and ">=0.14.4,<0.15.0" in msg and ">=0.19.8,<0.20.0" in msg
+    assert "Nothing was patched" in msg
+
+
+@pytest.mark.parametrize("release,module", [("0.14.4", "v0_14"), ("0.19.8", "v0_19"), ("0.19.9", "v0_19")])
+def test_supported_releases_pick_their_adapter(release, module):
+    assert adapter.adapter_for(release) == module
+
+
+def test_install_is_idempotent_and_uninstall_restores_deepspeed():
+    import deepspeed
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+
+    original = (deepspeed.initialize, ZeROOrderedDict.__getitem__)
+    z3guard.install()
+    patched = (deepspeed.initialize, ZeROOrderedDict.__getitem__)
+    assert patched != original
+    z3guard.install()
+    assert (deepspeed.initialize, ZeROOrderedDict.__getitem__) == patched
+    z3guard.uninstall()
+    assert (deepspeed.initialize, ZeROOrderedDict.__getitem__) == original
+    z3guard.uninstall()  # a no-op when nothing is installed
+
+
+def test_an_unsupported_release_patches_nothing(monkeypatch):
+    import deepspeed
+
+    adapter.load.cache_clear()
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
+    original = deepspeed.initialize
+    try:
+        with pytest.raises(adapter.UnsupportedDeepSpeed):
+            z3guard.install()
+        assert deepspeed.initialize is original
+    finally:
+        adapter.load.cache_clear()
