@@ -95,7 +95,7 @@ def phase1_jobs(cases: list[Case], root: Path) -> list[Job]:
     jobs = []
     for c in cases:
         if c.resume:
-            jobs.append(Job(f"{c.id}-phase1", steps=4, save_after=4, save_dir=str(root / c.id), **c.job))
+            jobs.append(Job(f"{c.id}-phase1", steps=4, save_at=[4], save_dir=str(root / c.id), **c.job))
         job = {**c.job, "preregister": c.job.get("preregister", False) or c.reference_preregistered}
         jobs.append(Job(f"{c.id}-reference", steps=c.steps, skip_at=list(c.skip_at), events=c.events, **job))
     return jobs

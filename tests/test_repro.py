@@ -37,7 +37,7 @@ def test_guarded_resume_is_bit_identical_to_the_uninterrupted_run(verdict):
 
 def test_plain_resume_without_skipped_steps_matches_the_reference(runs):
     ckpt = str(runs / "plain" / "ckpt")
-    first = launch([Job("phase1", steps=3, save_after=3, save_dir=ckpt),
+    first = launch([Job("phase1", steps=3, save_at=[3], save_dir=ckpt),
                     Job("reference", steps=6)], runs / "plain" / "a")
     second = launch([Job("resumed", steps=6, load_dir=ckpt)], runs / "plain" / "b")
     ref, res = first.result("reference"), second.result("resumed")

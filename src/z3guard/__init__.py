@@ -14,7 +14,8 @@ from .diagnose import Divergence
 from .options import GuardOptions
 
 __version__ = "0.1.0"
-__all__ = ["install", "uninstall", "guard", "report", "summary", "GuardOptions", "Divergence"]
+__all__ = ["install", "uninstall", "guard", "report", "summary", "set_data_position", "resumed_state",
+           "GuardOptions", "Divergence"]
 
 log = logging.getLogger("z3guard")
 _GUARDED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -79,6 +80,17 @@ def report(engine: Any) -> list[Divergence]:
 def summary(engine: Any) -> str:
     g = _GUARDED.get(engine)
     return g.summary() if g is not None else "z3guard: engine not guarded"
+
+
+def set_data_position(engine: Any, position: Any) -> None:
+    """Where the data loader stands (any picklable object); saved per rank with the next checkpoint."""
+    guard(engine).checkpoint.data_position = position
+
+
+def resumed_state(engine: Any) -> dict[str, Any] | None:
+    """After `load_checkpoint`: the extra state z3guard saved (RNG, loss scaler, data position)."""
+    g = _GUARDED.get(engine)
+    return g.checkpoint.resumed_state if g is not None else None
 
 
 @atexit.register

@@ -81,5 +81,80 @@ def repro(
     raise typer.Exit(0 if verdict.as_expected else 1)
 
 
+@app.command("verify-resume")
+def verify_resume(
+    scenario: str = typer.Option("clip", help="built-in scenario (clip, tied, skip-block, side-read, ...)"),
+    model: str = typer.Option(None, help="your model factory, 'pkg.module:function' (with --batch)"),
+    batch: str = typer.Option(None, help="your batch factory (step, micro, rank, dtype) -> (args, kwargs, target)"),
+    hidden: int = typer.Option(512, help="hidden size for Trainer-style 'auto' ZeRO sizes (custom models)"),
+    device: Device = typer.Option(Device.cpu),
+    dtype: Dtype = typer.Option(Dtype.fp16),
+    nproc: int = typer.Option(2),
+    steps: int = typer.Option(8, help="N: steps of the straight run"),
+    save_after: int = typer.Option(4, help="K: the resumed run saves after K steps and resumes"),
+    skip_at: list[int] = typer.Option([6], help="steps forced to skip (repeatable)"),
+    guard: bool = typer.Option(True, help="--no-guard: the same comparison on stock DeepSpeed"),
+    out: Path = typer.Option(Path("runs/verify-resume")),
+) -> None:
+    """Train N steps straight and as K + save + resume + (N-K); compare everything bit for bit."""
+    from .scenarios import verify as v
+
+    plan = v.VerifyPlan(scenario=scenario, dtype=dtype.value, device=device.value, nproc=nproc, steps=steps,
+                        save_after=save_after, skip_at=tuple(skip_at), guard=guard, model=model, batch=batch,
+                        hidden=hidden, out=out)
+    label = f"{model}+{batch}" if model else scenario
+    console.print(f"[bold]z3guard verify-resume[/]: {label}, {dtype.value}, {nproc} ranks on {device.value}, "
+                  f"{steps} steps straight vs {save_after} + save + resume; skipped steps {list(skip_at)}"
+                  f"{'' if guard else ' (stock DeepSpeed, no z3guard)'}")
+    with _progress() as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(job: str, step: int) -> None:
+            tasks.setdefault(job, progress.add_task(job, total=steps, step=""))
+            progress.update(tasks[job], completed=steps if step < 0 else step, step="done" if step < 0 else f"step {step}")
+
+        result = v.run(plan, on_progress)
+    if result.crash:
+        crash = result.crash
+        console.print(f"[red]a run did not complete[/]: {crash.get('summary') or crash['message'].strip()}")
+        raise typer.Exit(1)
+    table = Table(title="Compared")
+    table.add_column("what")
+    for item in result.checked:
+        table.add_row(item)
+    console.print(table)
+    if result.identical:
+        console.print(f"[green]bit-identical[/] ({result.seconds:.0f} s)")
+        raise typer.Exit(0)
+    console.print(f"[red]first divergence[/]: {result.difference}")
+    raise typer.Exit(1)
+
+
+@app.command("check-checkpoint")
+def check_checkpoint(
+    path: Path = typer.Argument(..., help="a save folder (with 'latest') or one checkpoint's folder"),
+    tag: str = typer.Option(None, help="a tag inside PATH instead of the one 'latest' names"),
+) -> None:
+    """Show what a checkpoint holds and whether it verifies against its manifest."""
+    from .checkpoint.inspect import inspect
+
+    found = inspect(path, tag)
+    m = found.manifest
+    if m is not None:
+        head = Table(title=f"{found.folder}", show_header=False)
+        for key in ("tag", "global_step", "world_size", "zero_stage", "dtype", "deepspeed", "torch", "z3guard"):
+            head.add_row(key, str(getattr(m, key)))
+        console.print(head)
+    files = Table(title="files")
+    for col in ("file", "bytes", "status"):
+        files.add_column(col)
+    colours = {"ok": "green", "unverified": "yellow"}
+    for row in found.files:
+        files.add_row(row.name, f"{row.size:,}", f"[{colours.get(row.status, 'red')}]{row.status}[/]")
+    console.print(files)
+    console.print(("[green]" if found.ok else "[red]") + found.verdict + "[/]")
+    raise typer.Exit(0 if found.ok else 1)
+
+
 if __name__ == "__main__":
     app()

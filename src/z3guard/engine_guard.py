@@ -5,6 +5,7 @@ import logging
 from typing import Any
 
 from .adapter.base import Adapter
+from .checkpoint.engine import CheckpointGuard
 from .diagnose import Diagnostics, Divergence, Names
 from .options import GuardOptions
 from .trace import TraceGuard
@@ -22,10 +23,12 @@ class EngineGuard:
         self.diagnostics = Diagnostics(warn=options.warn and rank0)
         self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics)
         adapter.guard_coordinator(engine, self.trace)
+        self.checkpoint = CheckpointGuard(engine, adapter)
 
     def remove(self) -> None:
         self.adapter.unguard_coordinator(self.engine)
         self.trace.remove()
+        self.checkpoint.remove()
 
     @property
     def divergences(self) -> list[Divergence]:

@@ -138,6 +138,12 @@ class ZeroAdapter:
                 if param in registry:
                     registry.pop(param).wait()
 
+    def loss_scaler_state(self, engine: Any) -> dict[str, Any]:
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        return {"scale": float(getattr(scaler, "cur_scale", 1.0)),
+                "hysteresis": getattr(scaler, "cur_hysteresis", None),
+                "dynamic": bool(getattr(scaler, "dynamic", False))}
+
     # -- the coordinator -------------------------------------------------------------------
     def coordinators(self, engine: Any) -> list[PartitionedParameterCoordinator]:
         raise NotImplementedError

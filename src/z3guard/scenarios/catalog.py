@@ -83,6 +83,25 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def _import(spec: str) -> Callable:
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"{spec!r}: expected 'package.module:function'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def resolve(name: str, model: str | None = None, batch: str | None = None, hidden: int = 512) -> Scenario:
+    """A built-in scenario by name, or one made of a user's own factories:
+    `model` returns an nn.Module; `batch(step, micro, rank, dtype)` returns (args, kwargs, target)."""
+    if model is None and batch is None:
+        return get(name)
+    if model is None or batch is None:
+        raise ValueError("a custom scenario needs both a model factory and a batch factory")
+    return Scenario(f"{model}+{batch}", _import(model), _import(batch), hidden=hidden)
+
+
 def get(name: str) -> Scenario:
     try:
         return SCENARIOS[name]

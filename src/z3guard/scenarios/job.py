@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
+import random
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from . import catalog
@@ -24,8 +26,10 @@ class Job:
     guard: bool = False
     steps: int = 10  # last global step (1-based) to run
     skip_at: list[int] = field(default_factory=list)  # steps whose loss is made non-finite
-    save_after: int | None = None
+    save_at: list[int] = field(default_factory=list)  # save a checkpoint after these steps
     save_dir: str | None = None
+    save_tag: str | None = None  # default "step<N>"
+    fsize_limit: int | None = None  # bytes: make writes fail as on a full disk (from the 2nd save on)
     load_dir: str | None = None  # resume from here (the step comes from the checkpoint)
     events: dict[str, list[str]] = field(default_factory=dict)  # "step" -> [gathered|partition|eval]
     regather_after_skip: bool = False  # the workaround users are given: re-gather persistent params
@@ -33,6 +37,9 @@ class Job:
     config: dict[str, Any] = field(default_factory=dict)
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
     seed: int = 1234
+    model: str | None = None  # "pkg.module:function" factories for a user's own model and batches
+    batch: str | None = None
+    hidden: int = 512
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Job":
@@ -91,8 +98,10 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     """Train per `job`; returns losses, skipped steps, the crash if any, and the final state."""
     import deepspeed
 
-    scenario = catalog.get(job.scenario)
+    scenario = catalog.resolve(job.scenario, job.model, job.batch, job.hidden)
     dtype = DTYPES[job.dtype]
+    random.seed(job.seed)
+    np.random.seed(job.seed)
     torch.manual_seed(job.seed)
     model = scenario.make_model()
     if job.preregister:
@@ -104,10 +113,20 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     # DeepSpeed's errors name modules by their ZeRO id: `ds_id` since 0.15, `id` before.
     paths = {getattr(m, "ds_id", getattr(m, "id", None)): name or "<root>" for name, m in engine.module.named_modules()}
     start = 0
+    result: dict[str, Any] = {"job": job.name, "losses": {}, "skipped": [], "crash": None}
     if job.load_dir:
-        _, client = engine.load_checkpoint(job.load_dir)
+        try:
+            _, client = engine.load_checkpoint(job.load_dir)
+        except RuntimeError as exc:  # z3guard's CheckpointError: refused before loading anything
+            result.update(load_error=str(exc), start=0, state=gathered_state(engine))
+            engine.destroy()
+            return result
         start = int((client or {}).get("step", engine.global_steps))
-    result: dict[str, Any] = {"job": job.name, "losses": {}, "skipped": [], "crash": None, "start": start}
+        if job.guard:
+            import z3guard
+
+            result["data_position"] = (z3guard.resumed_state(engine) or {}).get("data_position")
+    result["start"] = start
     step = start
     try:
         for step in range(start + 1, job.steps + 1):
@@ -120,6 +139,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 engine.backward(loss)
                 engine.step()
             result["losses"][str(step)] = value
+            _consume_rng()  # as dropout and augmentation would: resume must continue these streams
             if not engine.was_step_applied():
                 result["skipped"].append(step)
                 if job.regather_after_skip:
@@ -127,8 +147,22 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                     persistent[0].all_gather(param_list=persistent)
             for event in job.events.get(str(step), []):
                 _between_steps(engine, scenario, event, step, rank, dtype)
-            if job.save_after == step:
-                engine.save_checkpoint(job.save_dir, tag=f"step{step}", client_state={"step": step})
+            if job.guard:
+                import z3guard
+
+                z3guard.set_data_position(engine, {"next_step": step + 1})
+            if step in job.save_at:
+                limited = job.fsize_limit is not None and step != job.save_at[0]
+                previous = _limit_file_size(job.fsize_limit) if limited else None
+                try:
+                    engine.save_checkpoint(job.save_dir, tag=job.save_tag or f"step{step}",
+                                           client_state={"step": step})
+                except RuntimeError as exc:  # z3guard's CheckpointError
+                    result["save_error"] = str(exc)
+                    break
+                finally:
+                    if limited:
+                        _limit_file_size(previous)
             on_step(job.name, step)
     except RuntimeError as exc:  # the failure under study; anything else propagates
         result["crash"] = asdict(Crash.parse(step, exc, paths))
@@ -141,9 +175,47 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["restored"] = g.trace.restored
     if result["crash"] is None:
         result["state"] = gathered_state(engine)
-        result["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
+        result["optimizer"] = optimizer_tensors(engine)
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        result["loss_scaler"] = {"scale": float(getattr(scaler, "cur_scale", 1.0)),
+                                 "hysteresis": getattr(scaler, "cur_hysteresis", None)}
+        result["lr"] = [float(x) for x in engine.get_lr()]
+        result["rng"] = _consume_rng()
     engine.destroy()
     return result
+
+
+def _limit_file_size(limit: int) -> int:
+    """Set this process's file-size limit (writes past it fail with EFBIG); returns the old one."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    return soft
+
+
+def _consume_rng() -> list[float]:
+    return [random.random(), float(np.random.rand()), torch.rand(1).item()]
+
+
+def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    """This rank's optimizer state (its partition), flattened to named tensors."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            out[prefix] = obj.detach().cpu().clone()
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}[{i}]", v)
+
+    walk("optimizer", engine.optimizer.state_dict())
+    return out
 
 
 def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) -> None:

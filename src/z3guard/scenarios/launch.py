@@ -37,6 +37,11 @@ class Launch:
 
         return torch.load(self.out / f"{job}.state.pt")
 
+    def optimizer(self, job: str, rank: int):
+        import torch
+
+        return torch.load(self.out / f"{job}.optim.rank{rank}.pt")
+
 
 def rank_env(device: str) -> dict[str, str]:
     from importlib.metadata import version
@@ -60,7 +65,7 @@ def rank_env(device: str) -> dict[str, str]:
 
 
 def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
-             on_progress: Callable[[str, int], None] | None = None) -> Launch:
+             on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None) -> Launch:
     """Run `jobs` in one fresh process group of `nproc` ranks; kill the whole group on timeout."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
@@ -72,7 +77,7 @@ def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, ti
     log_path = out / "launch.log"
     start = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env(device),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**rank_env(device), **(env or {})},
                                 start_new_session=True)
         seen = 0
         try:

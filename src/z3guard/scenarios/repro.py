@@ -50,7 +50,7 @@ def run(plan: ReproPlan, on_progress: Callable[[str, int], None] | None = None) 
     ckpt = str(plan.out / "checkpoint")
     common = dict(scenario=plan.scenario, dtype=plan.dtype, config=plan.config)
     first = run_jobs([
-        Job("phase1", steps=plan.save_after, save_after=plan.save_after, save_dir=ckpt, **common),
+        Job("phase1", steps=plan.save_after, save_at=[plan.save_after], save_dir=ckpt, **common),
         Job("reference", steps=plan.steps, skip_at=[plan.skip_at], **common),
     ], plan.out / "phase1", plan.device, plan.nproc, on_progress=on_progress)
     # Phase 2 in a fresh process group: the guarded resume first, then stock (which is expected to crash).

@@ -47,8 +47,11 @@ def main(spec_path: str) -> int:
         _set_guard(job.guard)
         result = jobs.run(job, rank, world, on_step)
         state = result.pop("state", None)
+        optim = result.pop("optimizer", None)
         if state is not None and rank == 0:
             torch.save(state, out / f"{job.name}.state.pt")
+        if optim is not None:
+            torch.save(optim, out / f"{job.name}.optim.rank{rank}.pt")
         (out / f"{job.name}.rank{rank}.json").write_text(json.dumps(result, indent=1))
         on_step(job.name, -1)
     _set_guard(False)

@@ -1,0 +1,64 @@
+"""What a checkpoint folder holds and whether it verifies (for `z3guard check-checkpoint`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointError
+from .manifest import MANIFEST, Manifest, listing, sha256, verify
+
+
+@dataclass
+class FileRow:
+    name: str
+    size: int
+    status: str  # ok | missing | size | hash | unlisted | unverified
+
+
+@dataclass
+class Inspection:
+    folder: Path
+    manifest: Manifest | None
+    files: list[FileRow] = field(default_factory=list)
+    verdict: str = ""  # verified | FAILED: ... | unverifiable: ...
+    ok: bool = False
+
+
+def resolve(path: Path, tag: str | None = None) -> Path:
+    """A save folder (with `latest`), or a tag folder itself."""
+    path = Path(path)
+    if tag:
+        return path / tag
+    if (path / MANIFEST).exists() or not (path / "latest").exists():
+        return path
+    return path / (path / "latest").read_text().strip()
+
+
+def inspect(path: Path, tag: str | None = None) -> Inspection:
+    folder = resolve(path, tag)
+    if not folder.is_dir():
+        return Inspection(folder, None, verdict=f"FAILED: {folder} is not a folder")
+    if not (folder / MANIFEST).exists():
+        rows = [FileRow(n, (folder / n).stat().st_size, "unverified") for n in listing(folder)]
+        return Inspection(folder, None, rows, f"unverifiable: no {MANIFEST} (written without z3guard)")
+    try:
+        m = Manifest.read(folder)
+    except CheckpointError as exc:
+        return Inspection(folder, None, verdict=f"FAILED: {exc}")
+    rows = []
+    for name, meta in sorted(m.files.items()):
+        p = folder / name
+        if not p.is_file():
+            rows.append(FileRow(name, meta["size"], "missing"))
+        elif p.stat().st_size != meta["size"]:
+            rows.append(FileRow(name, p.stat().st_size, "size"))
+        elif sha256(p) != meta["sha256"]:
+            rows.append(FileRow(name, meta["size"], "hash"))
+        else:
+            rows.append(FileRow(name, meta["size"], "ok"))
+    rows += [FileRow(n, (folder / n).stat().st_size, "unlisted") for n in listing(folder) if n not in m.files]
+    try:
+        verify(folder)
+        return Inspection(folder, m, rows, "verified", True)
+    except CheckpointError as exc:
+        return Inspection(folder, m, rows, f"FAILED: {exc}")

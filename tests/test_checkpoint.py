@@ -1,0 +1,156 @@
+"""Issue 4: atomic, checksummed, verified checkpoints; exact resume; faults and bad input."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from z3guard.checkpoint import CheckpointError, manifest
+from z3guard.checkpoint.faults import POINTS
+from z3guard.cli import app
+from z3guard.scenarios import compare, verify
+from z3guard.scenarios.job import Job
+from z3guard.scenarios.launch import run_jobs
+
+from .conftest import LAUNCH_TIMEOUT, launch
+
+
+# -- exact resume ----------------------------------------------------------------------------
+@pytest.mark.parametrize("scenario,skip_at", [("clip", (6,)), ("tied", (5, 6))])
+def test_verify_resume_is_bit_identical_with_skipped_steps(runs, scenario, skip_at):
+    result = verify.run(verify.VerifyPlan(scenario=scenario, skip_at=skip_at, out=runs / f"verify-{scenario}"))
+    assert result.crash is None
+    assert result.identical, str(result.difference)
+    assert "saved data position" in result.checked and "RNG streams (python, numpy, torch)" in result.checked
+
+
+def test_verify_resume_catches_what_stock_deepspeed_loses(runs):
+    """Without z3guard the same comparison fails: DeepSpeed does not save the RNG streams."""
+    result = verify.run(verify.VerifyPlan(scenario="tied", skip_at=(), guard=False, out=runs / "verify-stock"))
+    assert not result.identical
+    assert "RNG streams" in result.difference.where
+
+
+# -- a good checkpoint, then every fault ------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(runs):
+    """A guarded run that saved after steps 2 and 3 (tags step2, step3)."""
+    root = runs / "ckpt-good"
+    first = launch([Job("save", guard=True, steps=3, save_at=[2, 3], save_dir=str(root)),
+                    Job("init", guard=True, steps=0)], runs / "ckpt-good-launch")
+    return root, first
+
+
+def test_save_is_published_whole_with_a_manifest(saved):
+    root, _ = saved
+    assert (root / "latest").read_text() == "step3"
+    assert not (root / ".z3guard-staging").exists()
+    m = manifest.verify(root / "step3", world_size=2, zero_stage=3, dtype="fp16")
+    assert m.global_step == 3 and m.world_size == 2 and m.deepspeed and m.torch
+    assert {"z3guard_state_rank0.pt", "z3guard_state_rank1.pt"} <= set(m.files)
+    assert any(name.endswith("optim_states.pt") for name in m.files)
+
+
+def _corrupt(root, tmp_path, how):
+    bad = tmp_path / how
+    shutil.copytree(root, bad)
+    shard = next(p for p in sorted((bad / "step3").iterdir()) if p.name.endswith("optim_states.pt"))
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif how == "flipped":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif how == "missing-file":
+        shard.unlink()
+    elif how == "missing-latest":
+        (bad / "latest").unlink()
+    return bad, shard.name
+
+
+@pytest.mark.parametrize("how,expected", [
+    ("truncated", "bytes, the manifest says"),
+    ("flipped", "(corrupted)"),
+    ("missing-file", "missing (listed in the manifest"),
+])
+def test_bad_files_are_named(saved, tmp_path, how, expected):
+    bad, shard = _corrupt(saved[0], tmp_path, how)
+    with pytest.raises(CheckpointError) as err:
+        manifest.verify(bad / "step3", world_size=2)
+    assert shard in str(err.value) and expected in str(err.value)
+
+
+def test_wrong_world_size_names_the_field_and_the_way_out(saved):
+    with pytest.raises(CheckpointError) as err:
+        manifest.verify(saved[0] / "step3", world_size=4)
+    msg = str(err.value)
+    assert "'world_size' is 2, this job expects 4" in msg and "ds_to_universal" in msg
+
+
+def test_a_refused_load_loads_nothing(saved, runs, tmp_path):
+    """Real engines: each bad checkpoint is refused on both ranks before DeepSpeed reads it."""
+    root, first = saved
+    cases = {how: _corrupt(root, tmp_path, how)[0] for how in ("flipped", "missing-latest")}
+    second = launch([Job(f"load-{how}", guard=True, steps=4, load_dir=str(path)) for how, path in cases.items()],
+                    runs / "refused-loads")
+    for how in cases:
+        for rank in (0, 1):
+            res = second.result(f"load-{how}", rank)
+            assert "load_error" in res, f"{how}: rank {rank} loaded a bad checkpoint"
+        assert compare.first_tensor_difference(first.state("init"), second.state(f"load-{how}")) is None
+    assert "latest: missing" in second.result("load-missing-latest")["load_error"]
+    assert "(corrupted)" in second.result("load-flipped")["load_error"]
+
+
+def test_a_checkpoint_written_without_z3guard_still_loads(runs):
+    root = runs / "ckpt-stock"
+    launch([Job("stock-save", steps=2, save_at=[2], save_dir=str(root))], runs / "stock-save")
+    second = launch([Job("guarded-load", guard=True, steps=3, load_dir=str(root))], runs / "stock-load")
+    res = second.result("guarded-load")
+    assert res["start"] == 2 and res["crash"] is None and "load_error" not in res
+    assert "has no z3guard-manifest.json (written without z3guard): loading it unverified" in second.log
+
+
+def test_same_tag_twice_is_refused_and_the_old_one_kept(runs):
+    root = runs / "ckpt-same-tag"
+    first = launch([Job("twice", guard=True, steps=3, save_at=[2, 3], save_tag="fixed", save_dir=str(root))],
+                   runs / "same-tag")
+    assert "a checkpoint with this tag exists already" in first.result("twice")["save_error"]
+    assert manifest.verify(root / "fixed").global_step == 2
+
+
+def test_a_failing_write_publishes_nothing(runs):
+    """Writes fail past a size limit (RLIMIT_FSIZE) as on a full disk, from the second save on."""
+    root = runs / "ckpt-full"
+    first = launch([Job("full", guard=True, steps=3, save_at=[2, 3], fsize_limit=200_000, save_dir=str(root))],
+                   runs / "full")
+    err = first.result("full")["save_error"]
+    assert "saving checkpoint 'step3'" in err and "'latest' still points to 'step2'" in err
+    assert (root / "latest").read_text() == "step2" and not (root / "step3").exists()
+    manifest.verify(root / "step2")
+
+
+def test_kill_at_every_point_of_a_save_keeps_the_previous_checkpoint(runs):
+    roots = {p: runs / f"kill-{p}" for p in POINTS}
+    for point, root in roots.items():
+        killed = run_jobs([Job("save", guard=True, steps=3, save_at=[2, 3], save_dir=str(root))],
+                          runs / f"kill-{point}-launch", timeout=LAUNCH_TIMEOUT,
+                          env={"Z3GUARD_KILL_AT": f"{point}@step3"})
+        assert killed.returncode != 0, f"{point}: the rank was not killed"
+        assert (root / "latest").read_text() == "step2", point
+        manifest.verify(root / "step2", world_size=2)
+    resumed = launch([Job(f"resume-{p}", guard=True, steps=4, load_dir=str(r)) for p, r in roots.items()],
+                     runs / "kill-resume")
+    for point in POINTS:
+        res = resumed.result(f"resume-{point}")
+        assert res["start"] == 2 and res["crash"] is None and "load_error" not in res, point
+
+
+def test_check_checkpoint_cli(saved, tmp_path):
+    runner = CliRunner()
+    good = runner.invoke(app, ["check-checkpoint", str(saved[0])])
+    assert good.exit_code == 0 and "verified" in good.output and "world_size" in good.output
+    bad, shard = _corrupt(saved[0], tmp_path, "flipped")
+    failed = runner.invoke(app, ["check-checkpoint", str(bad)])
+    assert failed.exit_code == 1 and "hash" in failed.output and "FAILED" in failed.output
