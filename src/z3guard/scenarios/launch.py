@@ -72,8 +72,15 @@ def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, ti
     spec.write_text(json.dumps({"out": str(out), "device": device, "jobs": [j.to_dict() for j in jobs]}))
     progress = out / "progress.jsonl"
     progress.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "z3guard.scenarios.worker", str(spec)]
+    return run_ranks(["-m", "z3guard.scenarios.worker", str(spec)], out, device, nproc, timeout, on_progress, env)
+
+
+def run_ranks(argv: list[str], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
+              on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None) -> Launch:
+    """`torchrun --standalone --nproc_per_node N <argv>`: a script or `-m module` on every rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    progress = out / "progress.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
     log_path = out / "launch.log"
     start = time.monotonic()
     with log_path.open("w") as log:
