@@ -45,6 +45,7 @@ def uninstall() -> None:
     if _state["patched"]:
         adapter.load().unpatch_globals()
     _state["installed"] = _state["patched"] = False
+    _state["options"] = GuardOptions()
 
 
 def guard(engine: Any, options: GuardOptions | None = None):

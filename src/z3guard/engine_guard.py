@@ -24,11 +24,13 @@ class EngineGuard:
         self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics)
         adapter.guard_coordinator(engine, self.trace)
         self.checkpoint = CheckpointGuard(engine, adapter)
+        self.fast_paths = adapter.apply_fast_paths(engine, options)
 
     def remove(self) -> None:
         self.adapter.unguard_coordinator(self.engine)
         self.trace.remove()
         self.checkpoint.remove()
+        self.adapter.remove_fast_paths(self.engine)
 
     @property
     def divergences(self) -> list[Divergence]:

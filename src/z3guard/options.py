@@ -9,3 +9,13 @@ class GuardOptions:
     warn: bool = True
     """Log one warning per distinct trace divergence (rank 0). Records are kept either way; turn the
     warnings off where a dynamic model diverges by design and the summary is enough."""
+
+    fast_writeback: bool = True
+    """With `offload_param`: cast the updated fp32 partition to fp16/bf16 on the device and copy it into
+    the pinned buffer in chunks, instead of DeepSpeed's copy that builds a pageable fp32 host temporary
+    of the whole partition every step. Bit-identical (same rounding); off only to compare with stock."""
+
+    fast_overflow_check: bool = True
+    """With `offload_optimizer` and fp16: decide overflow from one sum of the host gradient buffer and
+    fall back to the exact element check only when the sum is not finite, instead of two full-size
+    boolean temporaries. The same decision every time; off only to compare with stock."""

@@ -144,6 +144,12 @@ class ZeroAdapter:
                 "hysteresis": getattr(scaler, "cur_hysteresis", None),
                 "dynamic": bool(getattr(scaler, "dynamic", False))}
 
+    def apply_fast_paths(self, engine: Any, options: Any) -> list[str]:
+        return []  # only where a release's hot paths were checked bit for bit (see v0_19)
+
+    def remove_fast_paths(self, engine: Any) -> None:
+        pass
+
     # -- the coordinator -------------------------------------------------------------------
     def coordinators(self, engine: Any) -> list[PartitionedParameterCoordinator]:
         raise NotImplementedError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import fastpaths
 from .common import ZeroAdapter
 
 
@@ -15,6 +16,15 @@ class V0_19(ZeroAdapter):
 
     def inflight_registries(self, engine: Any) -> list[dict]:
         return [engine.module.ds_inflight_param_registry]
+
+    def apply_fast_paths(self, engine: Any, options: Any) -> list[str]:
+        if engine.optimizer is None or not hasattr(engine.optimizer, "parameter_offload"):
+            return []
+        return fastpaths.apply(engine, options.fast_writeback, options.fast_overflow_check)
+
+    def remove_fast_paths(self, engine: Any) -> None:
+        if engine.optimizer is not None and hasattr(engine.optimizer, "parameter_offload"):
+            fastpaths.remove(engine)
 
 
 ADAPTER = V0_19()

@@ -35,6 +35,7 @@ class Job:
     regather_after_skip: bool = False  # the workaround users are given: re-gather persistent params
     grad_accum: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # z3guard.GuardOptions fields, when guarded
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
     seed: int = 1234
     model: str | None = None  # "pkg.module:function" factories for a user's own model and batches
@@ -173,6 +174,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["divergences"] = [d.to_dict() for d in g.divergences]
         result["reads"] = [vars(r) for r in g.diagnostics.reads]
         result["restored"] = g.trace.restored
+        result["fast_paths"] = g.fast_paths
     if result["crash"] is None:
         result["state"] = gathered_state(engine)
         result["optimizer"] = optimizer_tensors(engine)

@@ -44,7 +44,7 @@ def main(spec_path: str) -> int:
 
     for d in spec["jobs"]:
         job = jobs.Job.from_dict(d)
-        _set_guard(job.guard)
+        _set_guard(job.guard, job.options)
         result = jobs.run(job, rank, world, on_step)
         state = result.pop("state", None)
         optim = result.pop("optimizer", None)
@@ -60,13 +60,12 @@ def main(spec_path: str) -> int:
     return 0
 
 
-def _set_guard(on: bool) -> None:
+def _set_guard(on: bool, options: dict | None = None) -> None:
     import z3guard
 
+    z3guard.uninstall()
     if on:
-        z3guard.install()
-    else:
-        z3guard.uninstall()
+        z3guard.install(z3guard.GuardOptions(**(options or {})))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""Issue 8: the offload fast paths give the same bytes as stock DeepSpeed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from z3guard.adapter.fastpaths import any_nonfinite, chunked_cast_copy_
+from z3guard.scenarios import compare
+from z3guard.scenarios.job import Job
+
+from .conftest import launch
+
+
+def _awkward_values(n: int = 200_003) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, generator=g) * s for s in (1e-8, 1e-3, 1.0, 1e3, 6e4)]
+    parts.append(torch.tensor([65504.0, 65520.0, 7e4, -7e4, 6.1e-5, 5.96e-8, 2.98e-8, 0.0, -0.0,
+                               float("inf"), float("-inf"), float("nan"), 1.0 + 2**-11, 1.0 + 3 * 2**-11]))
+    parts.append(torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int32).view(torch.float32))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunked_cast_copy_matches_copy(dtype):
+    src = _awkward_values()
+    want = torch.empty(src.shape, dtype=dtype).copy_(src)
+    got = torch.empty(src.shape, dtype=dtype)
+    chunked_cast_copy_(got, src, chunk_numel=4099)  # the GPU path's chunking, run on the CPU
+    same = (want.view(torch.int16) == got.view(torch.int16)) | (want.isnan() & got.isnan())
+    assert bool(same.all())
+
+
+@pytest.mark.parametrize("case", ["finite", "inf", "-inf", "nan", "sum-overflows"])
+def test_nonfinite_check_is_exact(case):
+    t = torch.randn(1_000_003, generator=torch.Generator().manual_seed(1))
+    if case in ("inf", "-inf", "nan"):
+        t[777_777] = float(case)
+    if case == "sum-overflows":
+        t[:10] = 3e38  # finite values whose sum is not: the exact check must decide
+    stock = bool(torch.isinf(t).any() or torch.isnan(t).any())
+    assert any_nonfinite(t, chunk_numel=65_536) == stock
+
+
+def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
+    """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
+    skips = [3, 10, 25, 26, 40]
+    common = dict(steps=52, skip_at=skips)
+    done = launch([Job("stock", **common), Job("fast", guard=True, **common),
+                   Job("plain", guard=True, options={"fast_writeback": False, "fast_overflow_check": False},
+                       **common)], runs / "fastpaths")
+    stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
+    assert "overflow_check" in fast["fast_paths"] and plain["fast_paths"] == []
+    assert stock["skipped"] == fast["skipped"] == skips
+    for name, res in (("fast", fast), ("plain", plain)):
+        assert compare.first_loss_difference(stock["losses"], res["losses"]) is None, name
+        assert compare.first_tensor_difference(done.state("stock"), done.state(name)) is None, name
+        for rank in (0, 1):
+            diff = compare.first_tensor_difference(done.optimizer("stock", rank), done.optimizer(name, rank))
+            assert diff is None, f"{name} rank {rank}: {diff}"
