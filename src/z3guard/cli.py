@@ -41,7 +41,9 @@ def repro(
     dtype: Dtype = typer.Option(Dtype.fp16, help="fp16 (the report's) or bf16"),
     nproc: int = typer.Option(2, help="ranks"),
     save_after: int = typer.Option(4, help="phase 1 trains this many steps, then saves"),
-    skip_at: int = typer.Option(6, help="step forced to skip (non-finite loss) after the resume"),
+    skip_at: int = typer.Option(6, help="step that overflows (and is skipped) after the resume"),
+    overflow: str = typer.Option("forced", help="forced: a non-finite loss; natural: an outlier batch "
+                                                "(inputs x1e4) that overflows fp16 on its own"),
     steps: int = typer.Option(10, help="last step of the run"),
     out: Path = typer.Option(Path("runs/repro"), help="working folder (checkpoints, logs)"),
     json_out: Path = typer.Option(None, "--json", help="also write the verdict here as JSON"),
@@ -51,10 +53,15 @@ def repro(
 
     if not save_after < skip_at <= steps:
         raise typer.BadParameter(f"need save_after < skip_at <= steps, got {save_after}, {skip_at}, {steps}")
+    if overflow not in ("forced", "natural"):
+        raise typer.BadParameter(f"--overflow must be forced or natural, got {overflow!r}")
     plan = r.ReproPlan(dtype=dtype.value, device=device.value, nproc=nproc, save_after=save_after,
-                       skip_at=skip_at, steps=steps, out=out)
+                       skip_at=skip_at, steps=steps, out=out, overflow=overflow)
+    from importlib.metadata import version
+
     console.print(f"[bold]z3guard repro[/]: CLIP-style model, ZeRO-3 + CPU offload, {dtype.value}, "
-                  f"{nproc} ranks on {device.value}; save after step {save_after}, resume, step {skip_at} skipped")
+                  f"{nproc} ranks on {device.value}, DeepSpeed {version('deepspeed')}; save after step "
+                  f"{save_after}, resume, step {skip_at} overflows ({overflow})")
     with _progress() as progress:
         tasks: dict[str, int] = {}
 

@@ -10,6 +10,7 @@ from .base import Adapter
 
 # (first release, first release no longer covered, adapter module). Each range was tested, not assumed.
 SUPPORTED: list[tuple[str, str, str]] = [
+    ("0.9.1", "0.10.0", "v0_9"),  # GPU only (no CPU accelerator in 0.9): validated on 2 H200s
     ("0.14.4", "0.15.0", "v0_14"),
     ("0.19.8", "0.20.0", "v0_19"),
 ]

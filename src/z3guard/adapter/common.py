@@ -1,7 +1,8 @@
 """Code shared by the release adapters: what stayed the same across the supported DeepSpeed releases."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+import collections
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -9,8 +10,13 @@ from torch import nn
 import deepspeed
 from deepspeed.runtime.zero import parameter_offload as _po
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
-from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
-from deepspeed.utils import z3_leaf_module
+from deepspeed.runtime.zero.partitioned_param_coordinator import (PartitionedParameterCoordinator, ZeRoTraceMode,
+                                                                  iter_params)
+try:
+    from deepspeed.utils import z3_leaf_module
+except ImportError:  # before 0.13 there were no leaf modules
+    def z3_leaf_module(module: nn.Module) -> bool:
+        return False
 
 from .base import EngineHook, ReadHook, TraceHooks
 
@@ -18,16 +24,19 @@ P = "_PartitionedParameterCoordinator__"  # name-mangled private state of the co
 
 
 class GuardedCoordinator(PartitionedParameterCoordinator):
-    """The stock coordinator plus: a parameter-set check before each fetch, order divergences
-    reported, and a tracing error turned into an invalidated trace instead of a crash."""
+    """The stock coordinator plus: a parameter-set check before each fetch; on a module-order
+    departure, a switch to another recorded trace that agrees (or recording the rest of this step, so
+    that the new order is known next time); a tracing error turned into an invalidated trace."""
 
     z3guard_hooks: TraceHooks
+    multi_trace = True  # releases whose trace switching was checked bit for bit
 
     def reset_step(self) -> None:
         was_complete = self.is_complete_trace()
         super().reset_step()
         if self.is_complete_trace() and not was_complete:
-            self.z3guard_hooks.on_trace_complete(tuple(getattr(self, P + "submodule_order")))
+            self.z3guard_hooks.on_trace_complete(tuple(getattr(self, P + "submodule_order")),
+                                                 tuple(getattr(self, P + "param_order")))
 
     def trace_prologue(self, sub_module: nn.Module) -> None:
         if self.is_complete_trace():
@@ -35,14 +44,51 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
             step = getattr(self, P + "step_id")
             expected = order[step] if step < len(order) else None
             if expected is not sub_module:
-                self.z3guard_hooks.order_divergence(step, expected, sub_module)
+                ran = tuple(order[:step])
+                trace = self.z3guard_hooks.order_divergence(step, expected, sub_module,
+                                                            ran if self.multi_trace else None)
+                if trace is not None:
+                    self._follow(trace.modules, trace.params, step)
+                    return
+                super().trace_prologue(sub_module)  # invalidates
+                if self.multi_trace:
+                    self._record_from(ran)
+                return
         super().trace_prologue(sub_module)
+
+    def _stock_fetch(self, module: nn.Module, forward: bool) -> None:
+        PartitionedParameterCoordinator.fetch_sub_module(self, module, forward)
+
+    def _follow(self, modules: tuple, params: tuple, step: int) -> None:
+        """Continue this step on another recorded trace whose first `step` modules ran already."""
+        setattr(self, P + "submodule_order", modules)
+        setattr(self, P + "param_order", params)
+        queue = collections.deque(e for e in params if e.step_id_last_used_at >= step)
+        setattr(self, P + "param_queue", queue)
+        recent = getattr(self, P + "most_recent_step_id_param_fetched_for")
+        for param in [p for p, s in recent.items() if s >= step]:
+            del recent[param]  # prefetch bookkeeping of the abandoned trace's future
+        needed = {e.param for e in queue}
+        registry = getattr(self, P + "inflight_param_registry")
+        release = getattr(self, P + "release_param")
+        for param in [p for p in registry if p not in needed]:  # prefetched in vain: released at once
+            registry.pop(param).wait()
+            release(param)
+        _clear_release_cache()
+
+    def _record_from(self, ran: tuple) -> None:
+        """After an invalidation mid-step: record the rest of this step on top of what already ran."""
+        setattr(self, P + "trace_mode", ZeRoTraceMode.RECORD)
+        setattr(self, P + "submodule_order", list(ran))
+        fetched_for = getattr(self, P + "step_id_module_fetched_for")
+        for position, module in enumerate(ran):
+            fetched_for[module.ds_id].append(position)
 
     def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
         if self.is_complete_trace() and self.z3guard_hooks.param_divergence(current_submodule) is not None:
             self._invalidate_trace()  # the fetch below is then on demand, as in a recording step
         try:
-            super().fetch_sub_module(current_submodule, forward)
+            self._stock_fetch(current_submodule, forward)
         except RuntimeError as exc:
             if "tracing error" not in str(exc) or not self.is_complete_trace():
                 raise
@@ -50,6 +96,15 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
             self.z3guard_hooks.on_tracing_error(current_submodule, exc)
             self._invalidate_trace()
             setattr(self, P + "step_id", getattr(self, P + "step_id") + 1)
+
+
+def _clear_release_cache() -> None:
+    """`__params_to_release` is an lru_cache keyed by (module, position): positions mean another
+    thing on another trace."""
+    fn = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    while not hasattr(fn, "cache_clear"):  # under DeepSpeed's nvtx wrapper, which keeps it in a closure
+        fn = next(c.cell_contents for c in fn.__closure__ if callable(c.cell_contents))
+    fn.cache_clear()
 
 
 class ZeroAdapter:
@@ -153,6 +208,17 @@ class ZeroAdapter:
     # -- the coordinator -------------------------------------------------------------------
     def coordinators(self, engine: Any) -> list[PartitionedParameterCoordinator]:
         raise NotImplementedError
+
+    def count_invalidations(self, engine: Any) -> Callable[[], int]:
+        """Instrument `engine` (guarded or not) to count trace invalidations, for the benchmarks."""
+        count = [0]
+        for c in self.coordinators(engine):
+            def counting(original=c._invalidate_trace) -> None:
+                count[0] += 1
+                original()
+
+            c._invalidate_trace = counting
+        return lambda: count[0]
 
     def guard_coordinator(self, engine: Any, hooks: TraceHooks) -> None:
         for c in self.coordinators(engine):

@@ -9,6 +9,7 @@ from .common import P, GuardedCoordinator, ZeroAdapter
 
 
 class GuardedCoordinator14(GuardedCoordinator):
+    multi_trace = False  # trace switching is checked on 0.19 only; here a departure re-records as stock does
     def _invalidate_trace(self) -> None:
         super()._invalidate_trace()
         registry = getattr(self, P + "inflight_param_registry")

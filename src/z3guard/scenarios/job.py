@@ -26,6 +26,7 @@ class Job:
     guard: bool = False
     steps: int = 10  # last global step (1-based) to run
     skip_at: list[int] = field(default_factory=list)  # steps whose loss is made non-finite
+    spike_at: list[int] = field(default_factory=list)  # steps whose inputs are scaled x1e4: a natural overflow
     save_at: list[int] = field(default_factory=list)  # save a checkpoint after these steps
     save_dir: str | None = None
     save_tag: str | None = None  # default "step<N>"
@@ -38,6 +39,7 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)  # z3guard.GuardOptions fields, when guarded
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
     seed: int = 1234
+    track_memory: int = 0  # record this rank's RSS every N steps
     model: str | None = None  # "pkg.module:function" factories for a user's own model and batches
     batch: str | None = None
     hidden: int = 512
@@ -133,6 +135,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         for step in range(start + 1, job.steps + 1):
             for micro in range(job.grad_accum):
                 args, kwargs, target = scenario.make_batch(step, micro, rank, dtype)
+                if step in job.spike_at:  # an outlier batch: fp16 activations overflow on their own
+                    args = tuple(a * 1e4 if a.is_floating_point() else a for a in args)
                 loss = scenario.loss(engine(*args, **kwargs), target)
                 value = loss.item()
                 if step in job.skip_at and micro == job.grad_accum - 1:
@@ -164,6 +168,10 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 finally:
                     if limited:
                         _limit_file_size(previous)
+            if job.track_memory and step % job.track_memory == 0:
+                import psutil
+
+                result.setdefault("rss", {})[str(step)] = psutil.Process().memory_info().rss
             on_step(job.name, step)
     except RuntimeError as exc:  # the failure under study; anything else propagates
         result["crash"] = asdict(Crash.parse(step, exc, paths))
@@ -175,6 +183,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["reads"] = [vars(r) for r in g.diagnostics.reads]
         result["restored"] = g.trace.restored
         result["fast_paths"] = g.fast_paths
+        result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
+                           "cached": len(g.trace.cache)}
     if result["crash"] is None:
         result["state"] = gathered_state(engine)
         result["optimizer"] = optimizer_tensors(engine)

@@ -18,7 +18,8 @@ class ReproPlan:
     device: str = "cpu"
     nproc: int = 2
     save_after: int = 4
-    skip_at: int = 6  # the forced skipped step (non-finite loss), after the resume
+    skip_at: int = 6  # the skipped step, after the resume
+    overflow: str = "forced"  # forced: the loss is made non-finite; natural: an outlier batch overflows fp16
     steps: int = 10
     out: Path = Path("runs/repro")
     config: dict[str, Any] = field(default_factory=dict)
@@ -49,14 +50,15 @@ def run(plan: ReproPlan, on_progress: Callable[[str, int], None] | None = None) 
     shutil.rmtree(plan.out, ignore_errors=True)
     ckpt = str(plan.out / "checkpoint")
     common = dict(scenario=plan.scenario, dtype=plan.dtype, config=plan.config)
+    skip = {"skip_at": [plan.skip_at]} if plan.overflow == "forced" else {"spike_at": [plan.skip_at]}
     first = run_jobs([
         Job("phase1", steps=plan.save_after, save_at=[plan.save_after], save_dir=ckpt, **common),
-        Job("reference", steps=plan.steps, skip_at=[plan.skip_at], **common),
+        Job("reference", steps=plan.steps, **skip, **common),
     ], plan.out / "phase1", plan.device, plan.nproc, on_progress=on_progress)
     # Phase 2 in a fresh process group: the guarded resume first, then stock (which is expected to crash).
     second = run_jobs([
-        Job("guarded", steps=plan.steps, skip_at=[plan.skip_at], load_dir=ckpt, guard=True, **common),
-        Job("stock", steps=plan.steps, skip_at=[plan.skip_at], load_dir=ckpt, **common),
+        Job("guarded", steps=plan.steps, load_dir=ckpt, guard=True, **skip, **common),
+        Job("stock", steps=plan.steps, load_dir=ckpt, **skip, **common),
     ], plan.out / "phase2", plan.device, plan.nproc, on_progress=on_progress)
 
     ref = first.result("reference")
@@ -73,6 +75,8 @@ def run(plan: ReproPlan, on_progress: Callable[[str, int], None] | None = None) 
 
 
 def _resumed_row(label: str, result: dict, ref: dict, ref_state, launch) -> Row:
+    if result.get("unavailable"):
+        return Row(label, "not available", result["unavailable"])
     if result["crash"]:
         c = result["crash"]
         detail = f"step {c['step']}: {c['summary']}; module {c['module']}; parameters {', '.join(c['params'])}"

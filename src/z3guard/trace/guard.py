@@ -6,6 +6,7 @@ from typing import Any
 from torch import nn
 
 from ..diagnose import CrossModuleRead, Diagnostics, Divergence, Names
+from .cache import Trace, TraceCache
 from .registration import GUARDS
 
 
@@ -20,6 +21,7 @@ class TraceGuard:
         self.recorded: dict[int, dict[int, nn.Parameter]] = {}  # id(module) -> {id(param): param}
         self.persistent = adapter.persistent_params(engine)
         self.restored = 0  # persistent parameters re-gathered at the start of a step
+        self.cache = TraceCache()
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
@@ -43,8 +45,9 @@ class TraceGuard:
             self.restored += len(missing)
 
     # -- TraceHooks ------------------------------------------------------------------------
-    def on_trace_complete(self, modules: tuple[nn.Module, ...]) -> None:
-        self.recorded = {id(m): {id(p): p for p in self.adapter.module_params(m)} for m in modules}
+    def on_trace_complete(self, modules: tuple[nn.Module, ...], params: tuple) -> None:
+        self.recorded.update({id(m): {id(p): p for p in self.adapter.module_params(m)} for m in modules})
+        self.cache.add(Trace(modules, params))
 
     def param_divergence(self, module: nn.Module) -> Divergence | None:
         recorded = self.recorded.get(id(module))
@@ -68,16 +71,23 @@ class TraceGuard:
         d = Divergence("param-set", self.step, path, tuple(sorted(self.names.param(p) for p in added)),
                        tuple(sorted(self.names.param(p) for p in removed)), cause=cause, fix=fix)
         self.diagnostics.add(d)
-        self.recorded.pop(id(module), None)
+        self.recorded.clear()
+        self.cache.clear()  # every recorded trace holds the old parameter set
         return d
 
-    def order_divergence(self, position: int, expected: nn.Module | None, got: nn.Module) -> None:
+    def order_divergence(self, position: int, expected: nn.Module | None, got: nn.Module,
+                         ran: tuple[nn.Module, ...] | None) -> Trace | None:
+        if ran is not None:
+            trace = self.cache.agreeing(ran, got)
+            if trace is not None:
+                return trace  # a known order: no warning, prefetch goes on
         self.diagnostics.add(Divergence(
             "order", self.step, self.names.module(got), expected=self.names.module(expected),
             cause=f"the module order departs from the recorded trace at position {position} "
                   "(control flow that differs between steps: a skipped block, routing, a new branch)",
             fix="make the module order the same on every step, or mark the varying part a leaf with "
                 "deepspeed.utils.set_z3_leaf_modules"))
+        return None
 
     def on_tracing_error(self, module: nn.Module, error: RuntimeError) -> None:
         self.diagnostics.add(Divergence(

@@ -1,0 +1,106 @@
+"""Benchmark models built from a transformers GPT-2 config (no downloads), plus the report's CLIP model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Size:
+    layers: int
+    width: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int  # sequences per rank
+
+    @classmethod
+    def of(cls, device: str) -> "Size":
+        if device == "cuda":  # GPT-2 medium's shape, 4 x 1024 tokens per GPU
+            return cls(layers=24, width=1024, heads=16, vocab=50257, seq=1024, batch=4)
+        return cls(layers=4, width=64, heads=4, vocab=256, seq=32, batch=2)
+
+
+def _config(size: Size):
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=size.layers, n_embd=size.width, n_head=size.heads, n_positions=size.seq,
+                      vocab_size=size.vocab, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+class GPT2Like(nn.Module):
+    """GPT-2 blocks from transformers; `skip_odd` drops block layers//2 on odd steps, `experts` > 0
+    replaces each block's MLP by a top-1 routed mixture (the module order then follows the data)."""
+
+    def __init__(self, size: Size, skip_odd: bool = False, experts: int = 0):
+        super().__init__()
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = _config(size)
+        self.wte = nn.Embedding(size.vocab, size.width)
+        self.wpe = nn.Embedding(size.seq, size.width)
+        self.h = nn.ModuleList(GPT2Block(config, layer_idx=i) for i in range(size.layers))
+        if experts:
+            for block in self.h:
+                block.mlp = RoutedMLP(config, experts)
+        self.ln_f = nn.LayerNorm(size.width)
+        self.skip_odd = skip_odd
+
+    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(pos)
+        for i, block in enumerate(self.h):
+            if self.skip_odd and i == len(self.h) // 2 and step % 2 == 1:
+                continue
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)  # tied output projection, read directly
+
+
+class RoutedMLP(nn.Module):
+    """Top-1 routing of the whole micro-batch to one of `n` expert MLPs. The router's choice is
+    agreed across ranks (ZeRO-3 needs every rank to gather the same parameters), so which expert
+    runs, and hence the module order, changes with the data from step to step."""
+
+    def __init__(self, config, n: int):
+        super().__init__()
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+        self.router = nn.Linear(config.n_embd, n)
+        self.experts = nn.ModuleList(GPT2MLP(4 * config.n_embd, config) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        logits = self.router(x.detach()).float().mean(dim=(0, 1))
+        if dist.is_initialized():
+            dist.all_reduce(logits)
+        return self.experts[int(logits.argmax())](x)
+
+
+def make(model: str, device: str) -> tuple[nn.Module, Size]:
+    size = Size.of(device)
+    if model == "gpt2":
+        return GPT2Like(size), size
+    if model == "gpt2-skip":
+        return GPT2Like(size, skip_odd=True), size
+    if model == "gpt2-moe":
+        return GPT2Like(size, experts=4), size
+    if model == "clip":
+        from z3guard.scenarios.models import ClipLike
+
+        return ClipLike(), size
+    raise ValueError(f"unknown model {model!r}")
+
+
+def batch(model: str, size: Size, step: int, rank: int, device: torch.device, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    if model == "clip":
+        from z3guard.scenarios.models import CLASSES, IMAGE
+
+        images = torch.randn(4 * size.batch, 3, IMAGE, IMAGE, generator=g).to(device, dtype)
+        return (images,), {}, torch.randint(0, CLASSES, (4 * size.batch,), generator=g).to(device), images.shape[0]
+    tokens = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=g).to(device)
+    return (tokens[:, :-1],), {"step": step}, tokens[:, 1:], size.batch * size.seq

@@ -1,0 +1,84 @@
+"""Benchmark stock DeepSpeed ZeRO-3, its workarounds and z3guard side by side, in one process group.
+
+    python bench/run.py --device cpu           # small sizes: a smoke run (CI)
+    python bench/run.py --device cuda          # GPT-2-medium shape on 2 GPUs: the numbers that count
+
+Prints a table and writes bench/results/<device>.json (a list of records, one per model/variant/offload).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+from z3guard.scenarios.launch import run_ranks  # noqa: E402
+
+MODELS = ["gpt2", "gpt2-skip", "gpt2-moe", "clip"]
+VARIANTS = ["stock", "stock-persist0", "stock-noprefetch", "z3guard", "z3guard-nofast"]
+# Issue 8: the offload configurations, stock against z3guard, on the static GPT-2 shape.
+OFFLOAD_RUNS = [("gpt2", "stock", "none"), ("gpt2", "stock", "param+optimizer"),
+                ("gpt2", "z3guard", "param+optimizer")]
+
+
+def plan(models: list[str], variants: list[str], offload_runs: bool) -> list[dict]:
+    runs = [{"model": m, "variant": v, "offload": "param"} for m in models for v in variants]
+    if offload_runs:
+        runs += [{"model": m, "variant": v, "offload": o} for m, v, o in OFFLOAD_RUNS if m in models]
+    return runs
+
+
+def table(records: list[dict]) -> Table:
+    t = Table(title="ZeRO-3 step time, side by side (one process group)")
+    for col in ("model", "offload", "variant", "median ms", "min ms", "x stock", "tokens/s", "peak GPU GiB",
+                "host RSS GiB", "invalidations", "switches"):
+        t.add_column(col, justify="right" if col not in ("model", "offload", "variant") else "left")
+    stock = {(r["model"], r["offload"]): r["median_step_s"] for r in records if r["variant"] == "stock"}
+    for r in records:
+        base = stock.get((r["model"], r["offload"]))
+        gib = (lambda b: f"{b / 2**30:.2f}" if b else "-")
+        t.add_row(r["model"], r["offload"], r["variant"], f"{r['median_step_s'] * 1e3:.1f}",
+                  f"{r['min_step_s'] * 1e3:.1f}", f"{r['median_step_s'] / base:.3f}" if base else "-",
+                  f"{r['tokens_per_s']:.0f}", gib(r["peak_gpu_mem_bytes"]), gib(r["host_rss_bytes"]),
+                  str(r["invalidations"]), "-" if r["trace_switches"] is None else str(r["trace_switches"]))
+    return t
+
+
+def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: int = typer.Option(2),
+         models: list[str] = typer.Option(MODELS), variants: list[str] = typer.Option(VARIANTS),
+         offload_runs: bool = typer.Option(True, help="add the issue-8 offload configurations"),
+         run: list[str] = typer.Option([], help="explicit runs model:variant:offload (repeatable); "
+                                                "replaces the plan from --models/--variants"),
+         steps: int = typer.Option(20, help="timed steps per run (after warm-up)"),
+         warmup: int = typer.Option(5), timeout: int = typer.Option(3000),
+         out: Path = typer.Option(None, help="default bench/results/<device>.json")) -> None:
+    console = Console()
+    runs = ([dict(zip(("model", "variant", "offload"), r.split(":"))) for r in run] if run
+            else plan(models, variants, offload_runs))
+    work = Path(tempfile.mkdtemp(prefix="z3guard-bench-"))
+    spec = work / "spec.json"
+    spec.write_text(json.dumps({"device": device, "out": str(work), "warmup": warmup, "steps": steps, "runs": runs}))
+    console.print(f"{len(runs)} runs, {warmup} warm-up + {steps} timed steps each, {nproc} ranks on {device}")
+    with console.status("benchmarking (one process group)..."):
+        done = run_ranks([str(ROOT / "worker.py"), str(spec)], work, device, nproc, timeout)
+    records = [json.loads(p.read_text()) for p in sorted(work.glob("record-*.json"))]
+    if done.returncode != 0 or len(records) != len(runs):
+        console.print(done.log[-6000:])
+        raise typer.Exit(1)
+    console.print(table(records))
+    out = out or ROOT / "results" / f"{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1))
+    console.print(f"wrote {out} (median of medians {statistics.median(r['median_step_s'] for r in records):.4f} s)")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,131 @@
+"""One benchmark group on every rank: `torchrun ... bench/worker.py SPEC.json` (see bench/run.py)."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import date
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import models  # noqa: E402
+
+VARIANT_CONFIG = {
+    "stock": {},
+    "stock-persist0": {"stage3_param_persistence_threshold": 0},
+    "stock-noprefetch": {"stage3_prefetch_bucket_size": 0},
+    "z3guard": {},
+    "z3guard-nofast": {},
+}
+OFFLOAD = {
+    "none": {},
+    "param": {"offload_param": {"device": "cpu", "pin_memory": True}},
+    "param+optimizer": {"offload_param": {"device": "cpu", "pin_memory": True},
+                        "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+}
+
+
+def config(variant: str, offload: str, micro_batch: int, world: int, device: str) -> dict:
+    """ZeRO-3 defaults (overlap_comm, persistence 1e5, prefetch bucket 5e7), fp16 from scale 2^10."""
+    zero = {"stage": 3, **OFFLOAD[offload], **VARIANT_CONFIG[variant]}
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch, "train_batch_size": micro_batch * world,
+           "gradient_clipping": 1.0, "fp16": {"enabled": True, "initial_scale_power": 10},
+           "zero_optimization": zero, "steps_per_print": 10**9, "zero_force_ds_cpu_optimizer": False}
+    if offload == "param+optimizer" and device == "cuda":  # DeepSpeedCPUAdam (its JIT build is minutes on CPU)
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
+    return cfg
+
+
+def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
+    import deepspeed
+    import psutil
+
+    import z3guard
+    from z3guard import adapter
+
+    name, variant, offload = spec["model"], spec["variant"], spec["offload"]
+    z3guard.uninstall()
+    if variant.startswith("z3guard"):
+        fast = variant == "z3guard"
+        z3guard.install(z3guard.GuardOptions(fast_writeback=fast, fast_overflow_check=fast, warn=False))
+    size = models.Size.of(device.type)
+    micro = size.batch * (4 if name == "clip" else 1)
+    cfg = config(variant, offload, micro, world, device.type)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device.type == "cuda"):
+        model, size = models.make(name, device.type)
+    kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
+    count_invalidations = adapter.load().count_invalidations(engine)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, skipped, tokens = [], 0, 0
+    for step in range(1, spec["warmup"] + spec["steps"] + 1):
+        args, kw, target, tokens = models.batch(name, size, step, rank, device, torch.float16)
+        if step == spec["warmup"] + 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        t0 = time.perf_counter()
+        out = engine(*args, **kw)
+        loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        sync()
+        if step > spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+            skipped += not engine.was_step_applied()
+    g = z3guard.guard(engine) if variant.startswith("z3guard") else None
+    record = {
+        "model": name, "variant": variant, "offload": offload, "device": device.type,
+        "gpus": world if device.type == "cuda" else 0, "deepspeed": version("deepspeed"), "torch": torch.__version__,
+        "date": date.today().isoformat(), "steps": len(times), "warmup": spec["warmup"],
+        "median_step_s": statistics.median(times), "min_step_s": min(times),
+        "tokens_per_s": tokens * world / statistics.median(times),
+        "peak_gpu_mem_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "host_rss_bytes": psutil.Process().memory_info().rss, "invalidations": count_invalidations(),
+        "trace_switches": g.trace.cache.switches if g else None,
+        "trace_recordings": g.trace.cache.recordings if g else None,
+        "skipped_steps": skipped, "fetch_wait_s": None, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    engine.destroy()
+    z3guard.uninstall()
+    del engine, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def main(spec_path: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(spec["out"])
+    for i, run in enumerate(spec["runs"]):
+        record = run_one({**run, "warmup": spec["warmup"], "steps": spec["steps"]}, rank, world, device)
+        if rank == 0:
+            (out / f"record-{i:03d}.json").write_text(json.dumps(record))
+            print(f"bench: {record['model']:<10} {record['variant']:<17} {record['offload']:<16} "
+                  f"median {record['median_step_s'] * 1e3:9.1f} ms", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)

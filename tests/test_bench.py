@@ -1,0 +1,32 @@
+"""Issue 5/8: the benchmark harness's CPU smoke run (small sizes; the numbers that count come from GPUs)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+FIELDS = {"model", "variant", "offload", "median_step_s", "min_step_s", "peak_gpu_mem_bytes", "invalidations",
+          "device", "deepspeed", "date", "tokens_per_s", "host_rss_bytes", "trace_switches", "steps"}
+
+
+def test_cpu_smoke_run_writes_every_record(tmp_path):
+    out = tmp_path / "cpu.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--steps", "20", "--warmup", "2",
+                           "--out", str(out), "--timeout", "900"], capture_output=True, text=True, timeout=1000)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    records = json.loads(out.read_text())
+    assert {(r["model"], r["variant"]) for r in records if r["offload"] == "param"} == {
+        (m, v) for m in ("gpt2", "gpt2-skip", "gpt2-moe", "clip")
+        for v in ("stock", "stock-persist0", "stock-noprefetch", "z3guard", "z3guard-nofast")}
+    assert {r["offload"] for r in records} == {"none", "param", "param+optimizer"}
+    for r in records:
+        assert FIELDS <= set(r) and r["steps"] == 20 and r["median_step_s"] > 0
+    by = {(r["model"], r["variant"], r["offload"]): r for r in records}
+    # The block-skipping model: stock re-records on every other step, z3guard switches traces.
+    assert by["gpt2-skip", "stock", "param"]["invalidations"] >= 10
+    assert by["gpt2-skip", "z3guard", "param"]["invalidations"] <= 2
+    assert by["gpt2-skip", "z3guard", "param"]["trace_switches"] >= 18
+    assert by["gpt2", "z3guard", "param"]["invalidations"] == by["gpt2", "stock", "param"]["invalidations"] == 0
+    assert "ZeRO-3 step time" in done.stdout
