@@ -60,7 +60,7 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
          steps: int = typer.Option(20, help="timed steps per run (after warm-up)"),
          warmup: int = typer.Option(5), timeout: int = typer.Option(3000),
          out: Path = typer.Option(None, help="default bench/results/<device>.json")) -> None:
-    console = Console()
+    console = Console(width=170)
     runs = ([dict(zip(("model", "variant", "offload"), r.split(":"))) for r in run] if run
             else plan(models, variants, offload_runs))
     work = Path(tempfile.mkdtemp(prefix="z3guard-bench-"))

@@ -33,10 +33,13 @@ OFFLOAD = {
 
 
 def config(variant: str, offload: str, micro_batch: int, world: int, device: str) -> dict:
-    """ZeRO-3 defaults (overlap_comm, persistence 1e5, prefetch bucket 5e7), fp16 from scale 2^10."""
+    """ZeRO-3 defaults (overlap_comm, persistence 1e5, prefetch bucket 5e7); fp16 from scale 2^10 on
+    GPUs, bf16 on the CPU smoke run (DeepSpeed's CPU accelerator refuses fp16)."""
     zero = {"stage": 3, **OFFLOAD[offload], **VARIANT_CONFIG[variant]}
+    precision = {"fp16": {"enabled": True, "initial_scale_power": 10}} if device == "cuda" else \
+        {"bf16": {"enabled": True}}
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "train_batch_size": micro_batch * world,
-           "gradient_clipping": 1.0, "fp16": {"enabled": True, "initial_scale_power": 10},
+           "gradient_clipping": 1.0, **precision,
            "zero_optimization": zero, "steps_per_print": 10**9, "zero_force_ds_cpu_optimizer": False}
     if offload == "param+optimizer" and device == "cuda":  # DeepSpeedCPUAdam (its JIT build is minutes on CPU)
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
@@ -67,7 +70,8 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, skipped, tokens = [], 0, 0
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
-        args, kw, target, tokens = models.batch(name, size, step, rank, device, torch.float16)
+        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        args, kw, target, tokens = models.batch(name, size, step, rank, device, dtype)
         if step == spec["warmup"] + 1 and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         sync()
