@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 7 on 2 GPUs: the report's crash and z3guard's fix per DeepSpeed release, a natural overflow,
-# and verify-resume with offload. Results (JSON + logs) go to $OUT (or ./gpu-out).
+# and verify-resume with offload. Results (JSON + logs) go to $RESULTS (default /tmp/gpu-validate), and
+# a tarball of them plus the summary to $OUT when set (the device tool brings back few files).
 set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+RESULTS=${RESULTS:-/tmp/gpu-validate}; mkdir -p "$RESULTS"
+OUT_BACK=${OUT:-}; OUT=$RESULTS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' >> "$OUT/machine.txt"
 for release in ${RELEASES:-0.19.8 0.14.4 0.9.1}; do
@@ -19,3 +21,6 @@ for release in ${RELEASES:-0.19.8 0.14.4 0.9.1}; do
       echo "verify-resume $release exit $?" | tee -a "$OUT/summary.txt"
     fi )
 done
+if [ -n "$OUT_BACK" ]; then
+  tar czf "$OUT_BACK/validate.tgz" -C "$RESULTS" . && cp "$RESULTS/summary.txt" "$OUT_BACK/"
+fi
