@@ -21,6 +21,9 @@ for release in ${RELEASES:-0.19.8 0.14.4 0.9.1}; do
       echo "verify-resume $release exit $?" | tee -a "$OUT/summary.txt"
     fi )
 done
+for d in /tmp/repro-* /tmp/verify; do  # the ranks' own logs and results, not the checkpoints
+  [ -d "$d" ] && (cd /tmp && find "$(basename "$d")" \( -name '*.log' -o -name '*.json' \) -exec cp --parents {} "$OUT" \;)
+done
 if [ -n "$OUT_BACK" ]; then
   tar czf "$OUT_BACK/validate.tgz" -C "$RESULTS" . && cp "$RESULTS/summary.txt" "$OUT_BACK/"
 fi

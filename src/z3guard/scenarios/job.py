@@ -135,6 +135,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         for step in range(start + 1, job.steps + 1):
             for micro in range(job.grad_accum):
                 args, kwargs, target = scenario.make_batch(step, micro, rank, dtype)
+                args = tuple(a.to(engine.device) if torch.is_tensor(a) else a for a in args)
+                target = target.to(engine.device)
                 if step in job.spike_at:  # an outlier batch: fp16 activations overflow on their own
                     args = tuple(a * 1e4 if a.is_floating_point() else a for a in args)
                 loss = scenario.loss(engine(*args, **kwargs), target)
@@ -242,7 +244,7 @@ def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) ->
         engine.eval()
         with torch.no_grad():
             args, kwargs, _ = scenario.make_batch(10_000 + step, 0, rank, dtype)
-            engine(*args, **kwargs)
+            engine(*(a.to(engine.device) if torch.is_tensor(a) else a for a in args), **kwargs)
         engine.train()
     else:
         raise ValueError(f"unknown event {event!r} (expected gathered, partition or eval)")

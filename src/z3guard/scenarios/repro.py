@@ -62,6 +62,9 @@ def run(plan: ReproPlan, on_progress: Callable[[str, int], None] | None = None) 
     ], plan.out / "phase2", plan.device, plan.nproc, on_progress=on_progress)
 
     ref = first.result("reference")
+    if ref["crash"]:
+        row = Row("reference (no interruption)", "crashed", ref["crash"]["summary"], crash=ref["crash"])
+        return Verdict(_plan_dict(plan), [row], False, first.seconds + second.seconds)
     ref_state = first.state("reference")
     rows = [Row("reference (no interruption)", "completed",
                 f"{len(ref['losses'])} steps, skipped {ref['skipped']}")]
@@ -70,8 +73,11 @@ def run(plan: ReproPlan, on_progress: Callable[[str, int], None] | None = None) 
     guarded = second.result("guarded")
     rows.append(_resumed_row("z3guard, resumed", guarded, ref, ref_state, second))
     ok = rows[1].outcome == "crashed" and rows[2].outcome == "completed" and bool(rows[2].matches_reference)
-    plan_dict = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()}
-    return Verdict(plan_dict, rows, ok, first.seconds + second.seconds)
+    return Verdict(_plan_dict(plan), rows, ok, first.seconds + second.seconds)
+
+
+def _plan_dict(plan: ReproPlan) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()}
 
 
 def _resumed_row(label: str, result: dict, ref: dict, ref_state, launch) -> Row:
