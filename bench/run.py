@@ -8,7 +8,6 @@ Prints a table and writes bench/results/<device>.json (a list of records, one pe
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -67,17 +66,26 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
     spec = work / "spec.json"
     spec.write_text(json.dumps({"device": device, "out": str(work), "warmup": warmup, "steps": steps, "runs": runs}))
     console.print(f"{len(runs)} runs, {warmup} warm-up + {steps} timed steps each, {nproc} ranks on {device}")
+    from z3guard.scenarios.launch import LaunchError
+
     with console.status("benchmarking (one process group)..."):
-        done = run_ranks([str(ROOT / "worker.py"), str(spec)], work, device, nproc, timeout)
+        try:
+            done = run_ranks([str(ROOT / "worker.py"), str(spec)], work, device, nproc, timeout)
+            failed = done.returncode != 0
+        except LaunchError as exc:  # past --timeout: keep the runs that finished
+            console.print(f"[red]{exc}[/]")
+            done, failed = None, True
     records = [json.loads(p.read_text()) for p in sorted(work.glob("record-*.json"))]
-    if done.returncode != 0 or len(records) != len(runs):
-        console.print(done.log[-6000:])
+    if records:
+        console.print(table(records))
+        out = out or ROOT / "results" / f"{device}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1))
+        console.print(f"wrote {out}: {len(records)} of {len(runs)} runs")
+    if failed or len(records) != len(runs):
+        if done is not None:
+            console.print(done.log[-6000:])
         raise typer.Exit(1)
-    console.print(table(records))
-    out = out or ROOT / "results" / f"{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1))
-    console.print(f"wrote {out} (median of medians {statistics.median(r['median_step_s'] for r in records):.4f} s)")
 
 
 if __name__ == "__main__":

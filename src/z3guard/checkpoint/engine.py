@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import __version__
 from . import dist, faults, manifest, state
 from .errors import CheckpointError
 
@@ -43,7 +44,7 @@ class CheckpointGuard:
     def _manifest(self, tag: str) -> manifest.Manifest:
         return manifest.Manifest(tag=tag, world_size=dist.world(), zero_stage=self.engine.zero_optimization_stage(),
                                  dtype=self.dtype(), global_step=int(self.engine.global_steps),
-                                 deepspeed=version("deepspeed"), torch=torch.__version__, z3guard=version("z3guard"))
+                                 deepspeed=version("deepspeed"), torch=torch.__version__, z3guard=__version__)
 
     # -- save --------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
