@@ -47,11 +47,13 @@ edit("unit/common.py",
 EOF
 
 # 3. The virtual environment (torch CPU, DeepSpeed without prebuilt ops, z3guard editable).
-if [ ! -x "$PY" ]; then
-  python3 -m venv "$VENV"
+[ -x "$PY" ] || python3 -m venv "$VENV"
+if ! DS_ACCELERATOR=cpu "$PY" -c "import deepspeed, pytest_timeout, transformers, accelerate, z3guard" 2>/dev/null; then
   "$VENV/bin/pip" install torch==2.13.0 setuptools wheel
+  # transformers + accelerate: test_zero_nesting_init.py / test_zeropp.py import transformers, and
+  # HfDeepSpeedConfig requires accelerate. No pytest-forked/xdist/randomly: the listed ids need none.
   DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$VENV/bin/pip" install --no-build-isolation deepspeed==0.19.8 \
-    "pytest>=7.2,<8.4" pytest-timeout numpy typer rich transformers==5.24.0  # transformers: 2 test modules import it
+    "pytest>=7.2,<8.4" pytest-timeout numpy typer rich transformers==5.24.0 accelerate==1.15.0
   "$VENV/bin/pip" install --no-deps --no-build-isolation -e "$ROOT"
 fi
 # Start-up hook: a no-op unless Z3GUARD_AUTOINSTALL=1, so one venv serves both runs.

@@ -163,5 +163,62 @@ def check_checkpoint(
     raise typer.Exit(0 if found.ok else 1)
 
 
+@app.command()
+def doctor(
+    scenario: str = typer.Option("clip", help="a built-in scenario (clip, mlp, tied, skip-block, side-read, twice)"),
+    model: str = typer.Option(None, help="your model factory, 'pkg.module:function' (with --batch)"),
+    batch: str = typer.Option(None, help="your batch factory (step, micro, rank, dtype) -> (args, kwargs, target)"),
+    hf: Path = typer.Option(None, help="a local Hugging Face config/model folder (causal LM, built from config)"),
+    hidden: int = typer.Option(512, help="hidden size for Trainer-style 'auto' ZeRO sizes (custom models)"),
+    nproc: int = typer.Option(2, help="ranks (1 or 2)"),
+    verify: bool = typer.Option(False, help="re-run stock DeepSpeed with the suggested changes applied"),
+    json_out: Path = typer.Option(None, "--json", help="also write the report here"),
+    out: Path = typer.Option(Path("runs/doctor")),
+) -> None:
+    """Find the ZeRO-3 trace hazards in a model: names, causes, what crashes stock, and the fixes."""
+    from . import doctor as d
+
+    plan = d.DoctorPlan(scenario=scenario, model=model, batch=batch, hf_path=str(hf) if hf else None,
+                        hidden=hidden, nproc=nproc, verify=verify, out=out)
+    with _progress() as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(job: str, step: int) -> None:
+            tasks.setdefault(job, progress.add_task(job, total=7, step=""))
+            progress.update(tasks[job], completed=7 if step < 0 else step, step="done" if step < 0 else f"step {step}")
+
+        report = d.run(plan, on_progress)
+    console.print(f"[bold]z3guard doctor[/]: {report.label}")
+    stock = Table(title="stock DeepSpeed ZeRO-3 on this model")
+    stock.add_column("event")
+    stock.add_column("outcome", overflow="fold")
+    for event, outcome in report.stock.items():
+        stock.add_row(event, outcome if outcome == "ok" else f"[red]{outcome}[/]")
+    console.print(stock)
+    if not report.hazards:
+        console.print("[green]no ZeRO-3 trace hazards found[/]")
+    else:
+        table = Table(title="hazards", show_lines=True)
+        for col in ("kind", "module", "parameters", "crashes stock on", "z3guard"):
+            table.add_column(col, overflow="fold")
+        for h in report.hazards:
+            params = "\n".join(p + (" (persistent)" if p in h.persistent else "") for p in h.params)
+            where = f"\n{h.source}" if h.source else ""
+            table.add_row(h.kind, h.module + where, params or "-", "\n".join(h.crashes_stock_on) or "-",
+                          "covered" if h.covered_by_z3guard else "NOT covered")
+        console.print(table)
+        fixes = list(dict.fromkeys(f for h in report.hazards for f in h.fix))
+        console.print("[bold]to remove them without z3guard[/] (after the model is built, before "
+                      "deepspeed.initialize):")
+        for f in fixes:
+            console.print(f"  {f}", soft_wrap=True)
+    if report.verified is not None:
+        console.print("[green]verified[/]: with the suggested register_external_parameter calls stock DeepSpeed "
+                      "no longer crashes" if report.verified else "[red]not verified[/]: stock still crashes")
+    if json_out:
+        json_out.write_text(json.dumps(report.to_dict(), indent=1))
+    raise typer.Exit(0 if report.z3guard_completed and report.verified is not False else 1)
+
+
 if __name__ == "__main__":
     app()

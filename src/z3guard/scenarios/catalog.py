@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import CLASSES, EMBED, IMAGE, AttentionPool2d, ClipLike, TinyLM
+from .models import CLASSES, EMBED, IMAGE, AttentionPool2d, ClipLike, PlainMLP, TinyLM
 
 Batch = tuple[tuple, dict, torch.Tensor]  # forward args, forward kwargs, target
 
@@ -26,6 +26,7 @@ class Scenario:
     reads: tuple[tuple[str, str], ...] = ()
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out = getattr(out, "logits", out)  # Hugging Face models return an output object
         return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
@@ -76,6 +77,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("skip-block", lambda: TinyLM(skip_odd=True), _token_batch, hidden=64, config=LM_SCALE,
                  reads=(("head", "embed.weight"),)),
         # Reuse distance 0: a weight is released after each use, so the late read finds it partitioned.
+        Scenario("mlp", lambda: PlainMLP(), _image_batch, hidden=64),
+        Scenario("twice", lambda: TinyLM(repeat_first=True), _token_batch, hidden=64, config=LM_SCALE,
+                 reads=(("head", "embed.weight"),)),
         Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64,
                  config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
                  reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
@@ -92,9 +96,28 @@ def _import(spec: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-def resolve(name: str, model: str | None = None, batch: str | None = None, hidden: int = 512) -> Scenario:
-    """A built-in scenario by name, or one made of a user's own factories:
+def hf_causal_lm(path: str) -> Scenario:
+    """A local Hugging Face config (or model) folder, built from its config (no weights, no downloads),
+    with random token batches."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    vocab = config.vocab_size
+
+    def make_batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> Batch:
+        tokens = torch.randint(0, vocab, (2, 17), generator=_gen(step, micro, rank))
+        return (), {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
+
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 512)
+    return Scenario(f"hf:{path}", lambda: AutoModelForCausalLM.from_config(config), make_batch, hidden=hidden)
+
+
+def resolve(name: str, model: str | None = None, batch: str | None = None, hidden: int = 512,
+            hf_path: str | None = None) -> Scenario:
+    """A built-in scenario by name, a local Hugging Face folder, or one made of a user's own factories:
     `model` returns an nn.Module; `batch(step, micro, rank, dtype)` returns (args, kwargs, target)."""
+    if hf_path:
+        return hf_causal_lm(hf_path)
     if model is None and batch is None:
         return get(name)
     if model is None or batch is None:

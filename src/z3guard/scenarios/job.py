@@ -38,6 +38,8 @@ class Job:
     config: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # z3guard.GuardOptions fields, when guarded
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
+    register: list[list[str]] = field(default_factory=list)  # explicit [reader, parameter] pairs, likewise
+    hf_path: str | None = None  # a local Hugging Face config/model folder (causal LM), batches generated
     seed: int = 1234
     track_memory: int = 0  # record this rank's RSS every N steps
     model: str | None = None  # "pkg.module:function" factories for a user's own model and batches
@@ -101,15 +103,15 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     """Train per `job`; returns losses, skipped steps, the crash if any, and the final state."""
     import deepspeed
 
-    scenario = catalog.resolve(job.scenario, job.model, job.batch, job.hidden)
+    scenario = catalog.resolve(job.scenario, job.model, job.batch, job.hidden, job.hf_path)
     dtype = DTYPES[job.dtype]
     random.seed(job.seed)
     np.random.seed(job.seed)
     torch.manual_seed(job.seed)
     model = scenario.make_model()
-    if job.preregister:
-        for reader, param in scenario.reads:
-            deepspeed.zero.register_external_parameter(model.get_submodule(reader), model.get_parameter(param))
+    for reader, param in (list(scenario.reads) if job.preregister else []) + [tuple(p) for p in job.register]:
+        deepspeed.zero.register_external_parameter(model.get_submodule("" if reader == "<root>" else reader),
+                                                   model.get_parameter(param))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=build_config(job, scenario, world))
@@ -187,6 +189,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["fast_paths"] = g.fast_paths
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "cached": len(g.trace.cache)}
+        result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
+        result["module_counts"] = g.trace.module_counts()
+        result["forward_steps"] = len(g.trace.forward_steps)
     if result["crash"] is None:
         result["state"] = gathered_state(engine)
         result["optimizer"] = optimizer_tensors(engine)

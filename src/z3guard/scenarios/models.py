@@ -108,17 +108,32 @@ class TinyLM(nn.Module):
     """
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
-                 side_read_every: int = 0):
+                 side_read_every: int = 0, repeat_first: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = LMHead(width, side_read_every)
         self.skip_odd = skip_odd
+        self.repeat_first = repeat_first  # the first block runs twice per step (weight sharing)
 
     def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
         x = self.embed(tokens)
+        if self.repeat_first:
+            x = self.blocks[0](x)
         for i, block in enumerate(self.blocks):
             if self.skip_odd and i == len(self.blocks) // 2 and step % 2 == 1:
                 continue
             x = block(x)
         return self.head(x, self, step)
+
+
+class PlainMLP(nn.Module):
+    """Nothing unusual: every module uses only its own parameters."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.fc1 = nn.Linear(3 * IMAGE * IMAGE, width)
+        self.fc2 = nn.Linear(width, CLASSES)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(images.flatten(1))))

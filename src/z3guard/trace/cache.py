@@ -36,6 +36,9 @@ class TraceCache:
             self._traces.popitem(last=False)
         self.recordings += 1
 
+    def traces(self) -> list[Trace]:
+        return list(self._traces.values())
+
     def clear(self) -> None:
         self._traces.clear()
 

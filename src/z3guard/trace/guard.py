@@ -22,6 +22,9 @@ class TraceGuard:
         self.persistent = adapter.persistent_params(engine)
         self.restored = 0  # persistent parameters re-gathered at the start of a step
         self.cache = TraceCache()
+        # (reading module, parameter) -> [steps seen, first step, last step]: reads on some steps only
+        self.read_steps: dict[tuple[int, int], list[int]] = {}
+        self.forward_steps: set[int] = set()
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
@@ -39,6 +42,7 @@ class TraceGuard:
         """Every step starts with persistent parameters gathered, whatever came before: a skipped
         step, GatheredParameters, an explicit partition, a checkpoint load. Stock DeepSpeed
         re-gathers them only at the end of an applied step."""
+        self.forward_steps.add(self.step)
         missing = [p for p in self.persistent if not self.adapter.is_gathered(p)]
         if missing:
             self.adapter.gather(missing)
@@ -96,6 +100,29 @@ class TraceGuard:
                   + str(error).splitlines()[0]))
 
     # -- registration notes ---------------------------------------------------------------
+    def note_read_step(self, running: nn.Module, param: nn.Parameter) -> None:
+        seen = self.read_steps.setdefault((id(running), id(param)), [0, self.step, -1])
+        if seen[2] != self.step:
+            seen[0] += 1
+            seen[2] = self.step
+
+    def module_counts(self) -> dict[str, int]:
+        """How often each module appears in a recorded trace (forward + backward; 2 is once per step)."""
+        counts: dict[str, int] = {}
+        for trace in self.cache.traces():
+            for m in set(trace.modules):
+                path = self.names.module(m)
+                counts[path] = max(counts.get(path, 0), sum(1 for x in trace.modules if x is m))
+        return counts
+
+    def read_pattern(self) -> dict[tuple[str, str], dict[str, int]]:
+        """Per cross-module read: on how many of the steps with a forward it happened."""
+        modules = {id(m): m for m in self.engine.module.modules()}
+        params = {id(p): p for p in self.engine.module.parameters()}
+        return {(self.names.module(modules[m]), self.names.param(params[p])):
+                {"steps": n, "first": first, "last": last}
+                for (m, p), (n, first, last) in self.read_steps.items() if m in modules and p in params}
+
     def note_read(self, running: nn.Module, param: nn.Parameter, source: str | None) -> None:
         self.diagnostics.reads.append(CrossModuleRead(
             self.names.module(running), self.names.param(param), bool(getattr(param, "ds_persist", False)),

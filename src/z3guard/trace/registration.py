@@ -26,6 +26,7 @@ def on_read(running: nn.Module, param: nn.Parameter) -> None:
     guard = GUARDS.get(running)
     if guard is None:
         return
+    guard.note_read_step(running, param)
     guard.adapter.wait_if_inflight(guard.engine, param)
     if guard.adapter.owns(running, param):
         return

@@ -1,0 +1,131 @@
+"""`z3guard doctor`: find what in a model will trip ZeRO-3, before a long run.
+
+It trains the model a few steps under real DeepSpeed ZeRO-3 on CPU with z3guard watching (train steps,
+an eval pass, a save), then resumes stock DeepSpeed from that checkpoint twice, once with a skipped step
+and once with `GatheredParameters` between steps, and once from scratch, to show which hazard crashes
+stock and on which event. `verify` resumes stock again with the suggested code changes applied.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .scenarios.job import Job
+from .scenarios.launch import run_jobs
+
+
+@dataclass(frozen=True)
+class DoctorPlan:
+    scenario: str = "clip"
+    model: str | None = None
+    batch: str | None = None
+    hf_path: str | None = None
+    hidden: int = 512
+    nproc: int = 2
+    dtype: str = "fp16"
+    verify: bool = False
+    out: Path = Path("runs/doctor")
+
+
+@dataclass
+class Hazard:
+    kind: str  # cross-module read | read on some steps | order changes | runs more than once
+    module: str
+    params: list[str] = field(default_factory=list)
+    persistent: list[str] = field(default_factory=list)
+    source: str | None = None
+    crashes_stock_on: list[str] = field(default_factory=list)
+    covered_by_z3guard: bool = True
+    fix: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    label: str
+    hazards: list[Hazard]
+    stock: dict[str, str]  # event -> "ok" or the crash's first line
+    verified: bool | None
+    z3guard_completed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.label, "hazards": [asdict(h) for h in self.hazards], "stock": self.stock,
+                "verified": self.verified, "z3guard_completed": self.z3guard_completed}
+
+
+EVENTS = {"stock-skip": "resume + skipped step", "stock-gathered": "resume + GatheredParameters",
+          "stock-fresh": "training from scratch"}
+
+
+def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None) -> Report:
+    shutil.rmtree(plan.out, ignore_errors=True)
+    ckpt = str(plan.out / "checkpoint")
+    common = dict(scenario=plan.scenario, model=plan.model, batch=plan.batch, hf_path=plan.hf_path,
+                  hidden=plan.hidden, dtype=plan.dtype)
+    first = run_jobs([Job("observe", guard=True, steps=4, events={"2": ["eval"]}, save_at=[4], save_dir=ckpt,
+                          options={"warn": False}, **common)], plan.out / "observe", nproc=plan.nproc,
+                     on_progress=on_progress)
+    seen = first.result("observe")
+    pairs = sorted({(r["module"], r["param"]) for r in seen.get("reads", [])})
+    stock = [Job("stock-skip", steps=7, skip_at=[6], load_dir=ckpt, **common),
+             Job("stock-gathered", steps=7, events={"5": ["gathered"]}, load_dir=ckpt, **common),
+             Job("stock-fresh", steps=6, events={"2": ["eval"]}, **common)]
+    if plan.verify:
+        register = [list(p) for p in pairs]
+        stock += [Job("verify-skip", steps=7, skip_at=[6], load_dir=ckpt, register=register, **common),
+                  Job("verify-gathered", steps=7, events={"5": ["gathered"]}, load_dir=ckpt, register=register,
+                      **common)]
+    second = run_jobs(stock, plan.out / "stock", nproc=plan.nproc, on_progress=on_progress)
+    outcome = {j.name: _outcome(second.result(j.name)) for j in stock}
+    hazards = _hazards(seen, pairs, outcome)
+    verified = None
+    if plan.verify:
+        verified = outcome["verify-skip"] == "ok" and outcome["verify-gathered"] == "ok"
+    label = plan.hf_path or (f"{plan.model}" if plan.model else plan.scenario)
+    return Report(label, hazards, {EVENTS[k]: v for k, v in outcome.items() if k in EVENTS}, verified,
+                  seen["crash"] is None and "load_error" not in seen)
+
+
+def _outcome(result: dict) -> str:
+    crash = result.get("crash")
+    return "ok" if crash is None else f"crashed at step {crash['step']}: {crash['summary']}"
+
+
+def _hazards(seen: dict, pairs: list[tuple[str, str]], outcome: dict[str, str]) -> list[Hazard]:
+    crashes = [EVENTS[k] for k in EVENTS if outcome.get(k, "ok") != "ok"]
+    persistent = {r["param"] for r in seen.get("reads", []) if r["persistent"]}
+    sources = {(r["module"], r["param"]): r["source"] for r in seen.get("reads", [])}
+    pattern = {(r["module"], r["param"]): r for r in seen.get("read_pattern", [])}
+    hazards: list[Hazard] = []
+    by_module: dict[str, list[str]] = {}
+    for module, param in pairs:
+        by_module.setdefault(module, []).append(param)
+    for module, params in by_module.items():
+        fix = [f"deepspeed.zero.register_external_parameter({_attr(module)}, {_attr(p)})" for p in params]
+        hazards.append(Hazard("cross-module read", module, params, sorted(set(params) & persistent),
+                              sources.get((module, params[0])), crashes, True, fix))
+        some = [p for p in params if pattern.get((module, p), {}).get("steps", 0) < seen.get("forward_steps", 0)]
+        if some:
+            hazards.append(Hazard("read on some steps", module, some, sorted(set(some) & persistent),
+                                  sources.get((module, some[0])), crashes, True, fix))
+    orders = {(d["module"], d["expected"]) for d in seen.get("divergences", []) if d["kind"] == "order"}
+    for module, expected in sorted(orders):
+        hazards.append(Hazard("order changes", module, [], [], None, [], True,
+                              [f"make the order static around '{module}' (expected '{expected}'), or "
+                               "deepspeed.utils.set_z3_leaf_modules(model, [<the varying module's class>])"]))
+    for module, count in sorted(seen.get("module_counts", {}).items()):
+        if count > 2 and module != "<root>":
+            hazards.append(Hazard("runs more than once", module, [], [], None, [], True,
+                                  [f"'{module}' appears {count} times in one forward+backward trace (2 is once): "
+                                   "fine for ZeRO-3 if the count is the same every step"]))
+    return hazards
+
+
+def _attr(path: str) -> str:
+    out = "model"
+    if path == "<root>":
+        return out
+    for part in path.split("."):
+        out += f"[{part}]" if part.isdigit() else f".{part}"
+    return out
