@@ -154,3 +154,11 @@ def test_check_checkpoint_cli(saved, tmp_path):
     bad, shard = _corrupt(saved[0], tmp_path, "flipped")
     failed = runner.invoke(app, ["check-checkpoint", str(bad)])
     assert failed.exit_code == 1 and "hash" in failed.output and "FAILED" in failed.output
+
+
+def test_verify_resume_on_a_users_own_factories(runs):
+    """`--model pkg.module:function --batch pkg.module:function`, as a user would pass them."""
+    result = verify.run(verify.VerifyPlan(model="z3guard.scenarios.models:PlainMLP",
+                                          batch="z3guard.scenarios.catalog:_image_batch", hidden=64,
+                                          out=runs / "verify-factories"))
+    assert result.crash is None and result.identical, str(result.difference)
