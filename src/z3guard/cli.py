@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
+from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -30,9 +32,20 @@ class Dtype(str, Enum):
     bf16 = "bf16"
 
 
-def _progress() -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[step]}"),
-                    TimeElapsedColumn(), console=console, transient=True)
+@contextmanager
+def _tracking(total: int) -> Iterator[Callable[[str, int], None]]:
+    """A progress bar per job while the ranks run; yields the launcher's on_progress callback."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[step]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        tasks: dict[str, TaskID] = {}
+
+        def on_progress(job: str, step: int) -> None:
+            if job not in tasks:
+                tasks[job] = progress.add_task(job, total=total, step="")
+            progress.update(tasks[job], completed=total if step < 0 else step,
+                            step="done" if step < 0 else f"step {step}")
+
+        yield on_progress
 
 
 @app.command()
@@ -62,17 +75,7 @@ def repro(
     console.print(f"[bold]z3guard repro[/]: CLIP-style model, ZeRO-3 + CPU offload, {dtype.value}, "
                   f"{nproc} ranks on {device.value}, DeepSpeed {version('deepspeed')}; save after step "
                   f"{save_after}, resume, step {skip_at} overflows ({overflow})")
-    with _progress() as progress:
-        tasks: dict[str, int] = {}
-
-        def on_progress(job: str, step: int) -> None:
-            if job not in tasks:
-                tasks[job] = progress.add_task(job, total=steps, step="")
-            if step < 0:
-                progress.update(tasks[job], completed=steps, step="done")
-            else:
-                progress.update(tasks[job], completed=step, step=f"step {step}")
-
+    with _tracking(steps) as on_progress:
         verdict = r.run(plan, on_progress)
     table = Table(title="Verdict", show_lines=True)
     for col in ("run", "outcome", "detail"):
@@ -113,13 +116,7 @@ def verify_resume(
     console.print(f"[bold]z3guard verify-resume[/]: {label}, {dtype.value}, {nproc} ranks on {device.value}, "
                   f"{steps} steps straight vs {save_after} + save + resume; skipped steps {list(skip_at)}"
                   f"{'' if guard else ' (stock DeepSpeed, no z3guard)'}")
-    with _progress() as progress:
-        tasks: dict[str, int] = {}
-
-        def on_progress(job: str, step: int) -> None:
-            tasks.setdefault(job, progress.add_task(job, total=steps, step=""))
-            progress.update(tasks[job], completed=steps if step < 0 else step, step="done" if step < 0 else f"step {step}")
-
+    with _tracking(steps) as on_progress:
         result = v.run(plan, on_progress)
     if result.crash:
         crash = result.crash
@@ -180,13 +177,7 @@ def doctor(
 
     plan = d.DoctorPlan(scenario=scenario, model=model, batch=batch, hf_path=str(hf) if hf else None,
                         hidden=hidden, nproc=nproc, verify=verify, out=out)
-    with _progress() as progress:
-        tasks: dict[str, int] = {}
-
-        def on_progress(job: str, step: int) -> None:
-            tasks.setdefault(job, progress.add_task(job, total=7, step=""))
-            progress.update(tasks[job], completed=7 if step < 0 else step, step="done" if step < 0 else f"step {step}")
-
+    with _tracking(7) as on_progress:
         report = d.run(plan, on_progress)
     console.print(f"[bold]z3guard doctor[/]: {report.label}")
     stock = Table(title="stock DeepSpeed ZeRO-3 on this model")
