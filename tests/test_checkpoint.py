@@ -162,3 +162,17 @@ def test_verify_resume_on_a_users_own_factories(runs):
                                           batch="z3guard.scenarios.catalog:_image_batch", hidden=64,
                                           out=runs / "verify-factories"))
     assert result.crash is None and result.identical, str(result.difference)
+
+
+def test_a_read_only_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """As root (CI), permission bits do not stop writes, so the check is exercised through os.access."""
+    import os
+
+    from z3guard.checkpoint.engine import _target_problem
+
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    problem = _target_problem(root, root / "step9")
+    assert problem == f"{root}: not writable, cannot save checkpoint 'step9' there."
+    assert list(root.iterdir()) == []
