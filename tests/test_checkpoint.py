@@ -46,6 +46,7 @@ def test_save_is_published_whole_with_a_manifest(saved):
     root, _ = saved
     assert (root / "latest").read_text() == "step3"
     assert not (root / ".z3guard-staging").exists()
+    assert (root / "zero_to_fp32.py").is_file()  # DeepSpeed's recovery script lands where stock puts it
     m = manifest.verify(root / "step3", world_size=2, zero_stage=3, dtype="fp16")
     assert m.global_step == 3 and m.world_size == 2 and m.deepspeed and m.torch
     assert {"z3guard_state_rank0.pt", "z3guard_state_rank1.pt"} <= set(m.files)
@@ -112,12 +113,28 @@ def test_a_checkpoint_written_without_z3guard_still_loads(runs):
     assert "has no z3guard-manifest.json (written without z3guard): loading it unverified" in second.log
 
 
-def test_same_tag_twice_is_refused_and_the_old_one_kept(runs):
+def test_saving_a_tag_again_replaces_it_whole(runs):
+    """DeepSpeed lets a tag be saved again (its own tests do); z3guard replaces it atomically."""
     root = runs / "ckpt-same-tag"
     first = launch([Job("twice", guard=True, steps=3, save_at=[2, 3], save_tag="fixed", save_dir=str(root))],
                    runs / "same-tag")
-    assert "a checkpoint with this tag exists already" in first.result("twice")["save_error"]
-    assert manifest.verify(root / "fixed").global_step == 2
+    assert "save_error" not in first.result("twice")
+    assert manifest.verify(root / "fixed", world_size=2).global_step == 3
+    assert not (root / ".z3guard-staging").exists()
+
+
+def test_two_saves_of_one_tag_at_once_are_refused_and_the_old_one_kept(runs):
+    """A live save of the same tag (another process holds its lock) makes this one refuse."""
+    import os
+
+    root = runs / "ckpt-concurrent"
+    (root / ".z3guard-staging").mkdir(parents=True)
+    (root / ".z3guard-staging" / "step3.lock").write_text(str(os.getpid()))  # this test process: alive
+    first = launch([Job("busy", guard=True, steps=3, save_at=[2, 3], save_dir=str(root))], runs / "concurrent")
+    err = first.result("busy")["save_error"]
+    assert f"another save of checkpoint 'step3' is in progress (process {os.getpid()})" in err
+    assert (root / "latest").read_text() == "step2" and not (root / "step3").exists()
+    manifest.verify(root / "step2", world_size=2)
 
 
 def test_a_failing_write_publishes_nothing(runs):

@@ -52,7 +52,10 @@ class CheckpointGuard:
         root = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         final, staging = root / tag, root / STAGING / tag
-        dist.raise_if_any(_target_problem(root, final), CheckpointError)
+        problem = _target_problem(root, final)
+        if problem is None and dist.rank() == 0:
+            problem = _claim(root / STAGING, tag)
+        dist.raise_if_any(problem, CheckpointError)
         if dist.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that died
             staging.mkdir(parents=True)
@@ -72,7 +75,7 @@ class CheckpointGuard:
             dist.barrier()
             faults.point("before-rename", tag)
             if dist.rank() == 0:
-                os.rename(staging, final)  # the checkpoint appears whole, or not at all
+                _publish(staging, final)  # the checkpoint appears whole, or not at all
                 manifest.fsync_dir(root)
             dist.barrier()
             faults.point("before-latest", tag)
@@ -82,10 +85,11 @@ class CheckpointGuard:
         except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
             if dist.rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)
+                _release(root / STAGING, tag)
             raise CheckpointError(f"saving checkpoint '{tag}' into {root} failed: {exc}. Nothing was published; "
                                   f"'latest' still points to {_latest(root)!r}.") from exc
         if dist.rank() == 0:
-            shutil.rmtree(root / STAGING, ignore_errors=True)
+            _release(root / STAGING, tag)
         return True
 
     # -- load --------------------------------------------------------------------------------
@@ -100,6 +104,13 @@ class CheckpointGuard:
                                       f"tags present: {tags or 'none'}. Pass tag=... or restore 'latest'.")
             tag = latest.read_text().strip()
         folder = root / str(tag)
+        replaced = root / STAGING / f"{tag}.replaced"
+        if not folder.is_dir() and replaced.is_dir():  # a replacing save died between its two renames
+            dist.barrier()
+            if dist.rank() == 0:
+                log.warning("z3guard: restoring %s from %s (a save replacing it was interrupted)", folder, replaced)
+                os.rename(replaced, folder)
+            dist.barrier()
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: no such checkpoint folder (tag {tag!r}).")
         if (folder / manifest.MANIFEST).exists():
@@ -122,10 +133,61 @@ class CheckpointGuard:
         return result
 
 
+def _claim(staging_root: Path, tag: str) -> str | None:
+    """Take the save lock of `tag`; a live save of the same tag elsewhere makes this one refuse."""
+    staging_root.mkdir(parents=True, exist_ok=True)
+    lock = staging_root / f"{tag}.lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            pid = int(lock.read_text() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        if pid and pid != os.getpid() and _alive(pid):
+            return (f"{lock}: another save of checkpoint '{tag}' is in progress (process {pid}); two saves of "
+                    "one tag at once would mix their files. Wait for it, or save under another tag.")
+        fd = os.open(lock, os.O_WRONLY | os.O_TRUNC)  # left by a save that died
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return None
+
+
+def _release(staging_root: Path, tag: str) -> None:
+    # DeepSpeed copies its recovery scripts (zero_to_fp32.py, ...) into the folder it saved to.
+    for script in staging_root.glob("*.py"):
+        os.replace(script, staging_root.parent / script.name)
+    (staging_root / f"{tag}.lock").unlink(missing_ok=True)
+    try:
+        staging_root.rmdir()  # only when no other save is staging there
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename the finished checkpoint into place. An existing one of the same tag is moved aside first
+    and deleted only once the new one is in place (a crash in between is repaired on load)."""
+    if not final.exists():
+        os.rename(staging, final)
+        return
+    replaced = staging.parent / f"{final.name}.replaced"
+    shutil.rmtree(replaced, ignore_errors=True)
+    os.rename(final, replaced)
+    os.rename(staging, final)
+    shutil.rmtree(replaced)
+
+
 def _target_problem(root: Path, final: Path) -> str | None:
-    if final.exists():
-        return (f"{final}: a checkpoint with this tag exists already; z3guard does not overwrite a checkpoint. "
-                "Save under a new tag, or delete the old one first.")
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
     if not os.access(probe, os.W_OK):
         return f"{probe}: not writable, cannot save checkpoint '{final.name}' there."
