@@ -73,12 +73,13 @@ run_suite() {  # label, extra env assignments...
   local log="$OUT/peer-$label.log" res="$OUT/peer-$label.txt"
   : > "$log"
   rm -f "$WORK"/chunk.*; split -l "$CHUNK" "$IDS" "$WORK/chunk."
-  local t0=$SECONDS
+  local t0=$SECONDS src0; src0=$(git -C "$ROOT" describe --always --dirty)
   for c in "$WORK"/chunk.*; do
     (cd "$WORK/tests" && env "$@" "$PY" -m pytest --timeout=300 -p no:cacheprovider -rA $(cat "$c")) \
       >> "$log" 2>&1 || true   # failures are recorded below, not fatal
   done
-  echo "$label wall_s $((SECONDS - t0))" > "$OUT/peer-$label.wall"
+  echo "$label wall_s $((SECONDS - t0)) z3guard_src $src0 .. $(git -C "$ROOT" describe --always --dirty)" \
+    > "$OUT/peer-$label.wall"   # z3guard is editable: note the source it ran against
   # Outcome per id from pytest's verbose lines ("ID PASSED [ n%]"); the worst one wins
   # (a teardown ERROR after PASSED counts as ERROR); ids with no line are NOT_RUN.
   "$PY" - "$log" "$IDS" "$res" <<'EOF'
