@@ -74,12 +74,12 @@ class Names:
     def param(self, p: nn.Parameter) -> str:
         return self._params.get(id(p), f"<unnamed {tuple(p.ds_shape) if hasattr(p, 'ds_shape') else ''}>")
 
-    def attr_path(self, path: str) -> str:
+    @staticmethod
+    def attr_path(path: str) -> str:
         """`visual.attnpool` -> `model.visual.attnpool`, `blocks.0.fc1` -> `model.blocks[0].fc1`."""
-        out = "model"
-        for part in path.split("."):
-            out += f"[{part}]" if part.isdigit() else f".{part}"
-        return out if path != "<root>" else "model"
+        if path == "<root>":
+            return "model"
+        return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in path.split("."))
 
 
 @dataclass

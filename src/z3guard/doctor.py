@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .diagnose import Names
 from .scenarios.job import Job
 from .scenarios.launch import run_jobs
 
@@ -102,7 +103,8 @@ def _hazards(seen: dict, pairs: list[tuple[str, str]], outcome: dict[str, str]) 
     for module, param in pairs:
         by_module.setdefault(module, []).append(param)
     for module, params in by_module.items():
-        fix = [f"deepspeed.zero.register_external_parameter({_attr(module)}, {_attr(p)})" for p in params]
+        fix = [f"deepspeed.zero.register_external_parameter({Names.attr_path(module)}, {Names.attr_path(p)})"
+               for p in params]
         hazards.append(Hazard("cross-module read", module, params, sorted(set(params) & persistent),
                               sources.get((module, params[0])), crashes, True, fix))
         some = [p for p in params if pattern.get((module, p), {}).get("steps", 0) < seen.get("forward_steps", 0)]
@@ -120,12 +122,3 @@ def _hazards(seen: dict, pairs: list[tuple[str, str]], outcome: dict[str, str]) 
                                   [f"'{module}' appears {count} times in one forward+backward trace (2 is once): "
                                    "fine for ZeRO-3 if the count is the same every step"]))
     return hazards
-
-
-def _attr(path: str) -> str:
-    out = "model"
-    if path == "<root>":
-        return out
-    for part in path.split("."):
-        out += f"[{part}]" if part.isdigit() else f".{part}"
-    return out
