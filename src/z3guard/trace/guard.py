@@ -1,6 +1,7 @@
 """Per-engine trace guard: keeps persistent parameters in one state, validates and recovers."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from torch import nn
@@ -110,9 +111,9 @@ class TraceGuard:
         """How often each module appears in a recorded trace (forward + backward; 2 is once per step)."""
         counts: dict[str, int] = {}
         for trace in self.cache.traces():
-            for m in set(trace.modules):
+            for m, n in Counter(trace.modules).items():
                 path = self.names.module(m)
-                counts[path] = max(counts.get(path, 0), sum(1 for x in trace.modules if x is m))
+                counts[path] = max(counts.get(path, 0), n)
         return counts
 
     def read_pattern(self) -> dict[tuple[str, str], dict[str, int]]:
