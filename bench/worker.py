@@ -96,6 +96,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "host_rss_bytes": psutil.Process().memory_info().rss, "invalidations": count_invalidations(),
         "trace_switches": g.trace.cache.switches if g else None,
         "trace_recordings": g.trace.cache.recordings if g else None,
+        "trace_resyncs": g.trace.cache.resyncs if g else None,
         "skipped_steps": skipped, "fetch_wait_s": None, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     engine.destroy()

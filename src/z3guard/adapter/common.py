@@ -60,7 +60,7 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
         PartitionedParameterCoordinator.fetch_sub_module(self, module, forward)
 
     def _follow(self, modules: tuple, params: tuple, step: int) -> None:
-        """Continue this step on another recorded trace whose first `step` modules ran already."""
+        """Continue this step on another recorded trace, from position `step` (the running module's)."""
         setattr(self, P + "submodule_order", modules)
         setattr(self, P + "param_order", params)
         queue = collections.deque(e for e in params if e.step_id_last_used_at >= step)

@@ -76,6 +76,8 @@ SCENARIOS: dict[str, Scenario] = {
                  reads=(("head", "embed.weight"),)),
         Scenario("skip-block", lambda: TinyLM(skip_odd=True), _token_batch, hidden=64, config=LM_SCALE,
                  reads=(("head", "embed.weight"),)),
+        Scenario("moe", lambda: TinyLM(experts=4, depth=4), _token_batch, hidden=64, config=LM_SCALE,
+                 reads=(("head", "embed.weight"),)),
         # Reuse distance 0: a weight is released after each use, so the late read finds it partitioned.
         Scenario("mlp", lambda: PlainMLP(), _image_batch, hidden=64),
         Scenario("twice", lambda: TinyLM(repeat_first=True), _token_batch, hidden=64, config=LM_SCALE,

@@ -112,9 +112,11 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     for reader, param in (list(scenario.reads) if job.preregister else []) + [tuple(p) for p in job.register]:
         deepspeed.zero.register_external_parameter(model.get_submodule("" if reader == "<root>" else reader),
                                                    model.get_parameter(param))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           config=build_config(job, scenario, world))
+    config = build_config(job, scenario, world)
+    # An "optimizer" block in the config lets DeepSpeed build its own (DeepSpeedCPUAdam with offload).
+    optimizer = None if "optimizer" in config else torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           model_parameters=model.parameters() if optimizer is None else None)
     # DeepSpeed's errors name modules by their ZeRO id: `ds_id` since 0.15, `id` before.
     paths = {getattr(m, "ds_id", getattr(m, "id", None)): name or "<root>" for name, m in engine.module.named_modules()}
     start = 0
@@ -188,7 +190,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["restored"] = g.trace.restored
         result["fast_paths"] = g.fast_paths
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
-                           "cached": len(g.trace.cache)}
+                           "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
         result["module_counts"] = g.trace.module_counts()
         result["forward_steps"] = len(g.trace.forward_steps)

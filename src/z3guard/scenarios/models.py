@@ -1,6 +1,8 @@
 """Small models that reproduce ZeRO-3 trace hazards; shared by `repro`, tests and bench."""
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,19 +101,36 @@ class LMHead(nn.Module):
         return F.linear(self.norm(x), lm.embed.weight)
 
 
+class Routed(nn.Module):
+    """A block made of `n` expert blocks of which one runs per step, as top-1 routing of a whole
+    micro-batch picks it. The pick is a function of the step and the layer, so that it is the same on
+    every rank (ZeRO-3 needs every rank to gather the same parameters) and the module order changes
+    on every step, in a combination no earlier step ran."""
+
+    def __init__(self, width: int, n: int, layer: int):
+        super().__init__()
+        self.experts = nn.ModuleList(Block(width) for _ in range(n))
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        pick = random.Random(7919 * step + self.layer).randrange(len(self.experts))
+        return self.experts[pick](x)
+
+
 class TinyLM(nn.Module):
     """Embedding -> blocks -> head whose projection is the embedding's weight (tied, read directly).
 
-    `skip_odd` drops the middle block on odd steps (a module order that changes between steps).
+    `skip_odd` drops the middle block on odd steps (a module order that changes between steps);
+    `experts` > 0 makes every block a routed choice among that many (an order that changes every step).
     The step comes in as an argument so that the pattern survives a resume and is the same on
     every rank.
     """
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
-                 side_read_every: int = 0, repeat_first: bool = False):
+                 side_read_every: int = 0, repeat_first: bool = False, experts: int = 0):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(Routed(width, experts, i) if experts else Block(width) for i in range(depth))
         self.head = LMHead(width, side_read_every)
         self.skip_odd = skip_odd
         self.repeat_first = repeat_first  # the first block runs twice per step (weight sharing)
@@ -123,7 +142,7 @@ class TinyLM(nn.Module):
         for i, block in enumerate(self.blocks):
             if self.skip_odd and i == len(self.blocks) // 2 and step % 2 == 1:
                 continue
-            x = block(x)
+            x = block(x, step) if isinstance(block, Routed) else block(x)
         return self.head(x, self, step)
 
 
