@@ -57,7 +57,8 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     z3guard.uninstall()
     if variant.startswith("z3guard"):
         fast = variant == "z3guard"
-        z3guard.install(z3guard.GuardOptions(fast_writeback=fast, fast_overflow_check=fast, warn=False))
+        z3guard.install(z3guard.GuardOptions(fast_writeback=fast, fast_overflow_check=fast,
+                                             host_threads=None if fast else 0, warn=False))
     size = models.Size.of(device.type)
     micro = size.batch * (4 if name == "clip" else 1)
     cfg = config(variant, offload, micro, world, device.type)
@@ -98,6 +99,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "trace_recordings": g.trace.cache.recordings if g else None,
         "trace_resyncs": g.trace.cache.resyncs if g else None,
         "skipped_steps": skipped, "fetch_wait_s": None, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        "fast_paths": g.fast_paths if g else [],
     }
     engine.destroy()
     z3guard.uninstall()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from z3guard.adapter.fastpaths import any_nonfinite, chunked_cast_copy_
+from z3guard.adapter.fastpaths import any_nonfinite, chunked_cast_copy_, launcher_left_one_thread
 from z3guard.scenarios import compare
 from z3guard.scenarios.job import Job
 
@@ -57,3 +57,34 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
         for rank in (0, 1):
             diff = compare.first_tensor_difference(done.optimizer("stock", rank), done.optimizer(name, rank))
             assert diff is None, f"{name} rank {rank}: {diff}"
+
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("environ, launcher, left", [
+    (TORCHRUN, {}, True),  # torchrun's default: its own environment had no OMP_NUM_THREADS
+    (TORCHRUN, {"OMP_NUM_THREADS": "1"}, False),  # the user's 1, passed through torchrun
+    ({**TORCHRUN, "OMP_NUM_THREADS": "4"}, {}, False),  # a count someone chose
+    ({"OMP_NUM_THREADS": "1"}, {}, False),  # not torchrun (srun, mpirun: their environ is no evidence)
+    (TORCHRUN, None, False),  # the launcher's environment unreadable: leave it alone
+])
+def test_host_threads_only_replace_torchruns_default(environ, launcher, left):
+    assert launcher_left_one_thread(environ, launcher) is left
+
+
+def test_host_threads_are_bit_identical_with_ds_cpu_adam_over_52_steps_with_skips(runs):
+    """DeepSpeedCPUAdam on the offloaded optimizer: stock on one thread per rank, z3guard on two."""
+    ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    skips = [3, 10, 25, 26, 40]
+    common = dict(steps=52, skip_at=skips, config=ds_adam)
+    done = launch([Job("stock", **common), Job("threads", guard=True, options={"host_threads": 2}, **common)],
+                  runs / "host-threads")
+    stock, threads = done.result("stock"), done.result("threads")
+    assert "host_threads=2" in threads["fast_paths"]
+    assert stock["skipped"] == threads["skipped"] == skips
+    assert compare.first_loss_difference(stock["losses"], threads["losses"]) is None
+    assert compare.first_tensor_difference(done.state("stock"), done.state("threads")) is None
+    for rank in (0, 1):
+        diff = compare.first_tensor_difference(done.optimizer("stock", rank), done.optimizer("threads", rank))
+        assert diff is None, f"rank {rank}: {diff}"

@@ -19,3 +19,9 @@ class GuardOptions:
     """With `offload_optimizer` and fp16: decide overflow from one sum of the host gradient buffer and
     fall back to the exact element check only when the sum is not finite, instead of two full-size
     boolean temporaries. The same decision every time; off only to compare with stock."""
+
+    host_threads: int | None = None
+    """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
+    (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did
+    not set) by the rank's share of the cores; 0 turns it off; a number sets it. Bit-identical for any
+    count: what runs in the step does not depend on it (see adapter/fastpaths.py)."""

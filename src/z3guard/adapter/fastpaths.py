@@ -11,11 +11,19 @@
   temporary. Here one sum decides: a non-finite element makes the sum non-finite, so a finite sum proves
   there is none; only a non-finite sum (an overflow, or finite values summing past fp32's range) pays for
   the exact chunked check. Same decision, always.
+- host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
+  `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
+  cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
+  hands each OpenMP iteration whole SIMD blocks (the split between vector and scalar code does not move
+  with the thread count), the unscale is one multiply per element, the overflow check is a yes/no.
+  PyTorch's own CPU optimizers split ranges at thread-dependent boundaries, so they are left alone.
 """
 from __future__ import annotations
 
+import os
 import types
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -49,7 +57,33 @@ def any_nonfinite(t: torch.Tensor, chunk_numel: int = CHUNK_NUMEL) -> bool:
     return any(not torch.isfinite(flat[s:s + chunk_numel]).all() for s in range(0, flat.numel(), chunk_numel))
 
 
-def apply(engine: Any, writeback: bool, overflow_check: bool) -> list[str]:
+def launcher_left_one_thread(environ: Mapping[str, str], launcher_environ: Mapping[str, str] | None) -> bool:
+    """True when torchrun, not the user, set OMP_NUM_THREADS=1: a user's value is in torchrun's own
+    starting environment too (`launcher_environ`, read from /proc, which later changes do not reach)."""
+    return (environ.get("OMP_NUM_THREADS") == "1" and "TORCHELASTIC_RUN_ID" in environ
+            and launcher_environ is not None and "OMP_NUM_THREADS" not in launcher_environ)
+
+
+def _launcher_environ() -> dict[str, str] | None:
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
+
+
+def host_threads(requested: int | None) -> int:
+    """OpenMP threads for the host-side optimizer step; 0 leaves the count alone. `None` (auto) acts
+    only on torchrun's default of one thread per rank, never on a count the user chose."""
+    if requested is not None:
+        return max(0, requested)
+    if not launcher_left_one_thread(os.environ, _launcher_environ()) or torch.get_num_threads() != 1:
+        return 0
+    per_rank = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return per_rank if per_rank > 1 else 0
+
+
+def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
@@ -60,12 +94,33 @@ def apply(engine: Any, writeback: bool, overflow_check: bool) -> list[str]:
         opt.z3guard_stock_has_overflow = opt.has_overflow
         opt.has_overflow = types.MethodType(_has_overflow, opt)
         applied.append("overflow_check")
+    n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0
+    if n:
+        from threadpoolctl import ThreadpoolController
+
+        opt.z3guard_threads = (ThreadpoolController(), n)
+        opt.z3guard_stock_step = opt.step
+        opt.step = types.MethodType(_step_with_host_threads, opt)
+        applied.append(f"host_threads={n}")
     return applied
 
 
 def remove(engine: Any) -> None:
-    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow"):
+    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step"):
         engine.optimizer.__dict__.pop(name, None)
+
+
+def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return bool(getattr(opt, "offload_optimizer", False)) and isinstance(getattr(opt, "optimizer", None),
+                                                                          DeepSpeedCPUAdam)
+
+
+def _step_with_host_threads(self, *args, **kwargs):
+    controller, n = self.z3guard_threads
+    with controller.limit(limits=n, user_api="openmp"):  # restored on exit
+        return self.z3guard_stock_step(*args, **kwargs)
 
 
 def _reassign_or_swap_out(self, sub_group_id: int) -> None:

@@ -41,7 +41,7 @@ class Job:
     register: list[list[str]] = field(default_factory=list)  # explicit [reader, parameter] pairs, likewise
     hf_path: str | None = None  # a local Hugging Face config/model folder (causal LM), batches generated
     seed: int = 1234
-    track_memory: int = 0  # record this rank's RSS every N steps
+    track_memory: int = 0  # record this rank's RSS (and GPU memory on GPUs) every N steps
     model: str | None = None  # "pkg.module:function" factories for a user's own model and batches
     batch: str | None = None
     hidden: int = 512
@@ -178,6 +178,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 import psutil
 
                 result.setdefault("rss", {})[str(step)] = psutil.Process().memory_info().rss
+                if engine.device.type == "cuda":
+                    result.setdefault("gpu_allocated", {})[str(step)] = torch.cuda.memory_allocated()
+                    result.setdefault("gpu_reserved", {})[str(step)] = torch.cuda.memory_reserved()
             on_step(job.name, step)
     except RuntimeError as exc:  # the failure under study; anything else propagates
         result["crash"] = asdict(Crash.parse(step, exc, paths))

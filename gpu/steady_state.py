@@ -1,0 +1,84 @@
+"""Issues 5 and 8 on real hardware: what the CPU tests show, repeated on 2 GPUs with NCCL.
+
+    python gpu/steady_state.py --device cuda --out /tmp/steady   # after `. gpu/env.sh 0.19.8`
+
+1. bit-identity of the offload fast paths over 52 steps with 5 skipped steps, stock vs z3guard:
+   offload_param only (the device-side write-back cast), and offload_param + offload_optimizer with
+   DeepSpeedCPUAdam (the overflow check and torchrun's one thread per rank replaced);
+2. memory over 1,000 steps of the routed model (a new module order every step), z3guard.
+Prints a table and writes <out>/steady_state.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from z3guard.scenarios import compare
+from z3guard.scenarios.job import Job
+from z3guard.scenarios.launch import run_jobs
+
+SKIPS = [3, 10, 25, 26, 40]
+PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both, fp16)
+    "offload_param": {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
+    "param+optimizer, DeepSpeedCPUAdam": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}},
+}
+
+
+def bit_identity(device: str, out: Path) -> list[dict]:
+    rows = []
+    for i, (name, config) in enumerate(PAIRS.items()):
+        common = dict(steps=52, skip_at=SKIPS, config=config)
+        done = run_jobs([Job("stock", **common), Job("z3guard", guard=True, **common)], out / f"pair{i}", device)
+        if done.returncode != 0:
+            rows.append({"run": name, "error": done.log[-3000:]})
+            continue
+        stock, guarded = done.result("stock"), done.result("z3guard")
+        diffs = [compare.first_loss_difference(stock["losses"], guarded["losses"]),
+                 compare.first_tensor_difference(done.state("stock"), done.state("z3guard"))]
+        diffs += [compare.first_tensor_difference(done.optimizer("stock", r), done.optimizer("z3guard", r))
+                  for r in (0, 1)]
+        rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
+                     "stock_skipped": stock["skipped"], "fast_paths": guarded["fast_paths"],
+                     "first_difference": next((str(d) for d in diffs if d is not None), None)})
+    return rows
+
+
+def memory(device: str, out: Path, steps: int) -> dict:
+    done = run_jobs([Job("long", scenario="moe", steps=steps, guard=True, track_memory=100)], out / "memory", device)
+    if done.returncode != 0:
+        return {"error": done.log[-3000:]}
+    res = [done.result("long", r) for r in (0, 1)]
+    return {"steps": steps, "trace": res[0]["trace"], "divergence_steps": [d["step"] for d in res[0]["divergences"]],
+            **{f"rank{r}_{k}": res[r].get(k) for r in (0, 1) for k in ("rss", "gpu_allocated", "gpu_reserved")}}
+
+
+def main(device: str = "cuda", out: Path = Path("/tmp/steady"), steps: int = 1000) -> None:
+    console = Console(width=160)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = bit_identity(device, out)
+    mem = memory(device, out, steps)
+    t = Table(title=f"fast paths vs stock, 52 steps, skipped {SKIPS} ({device})")
+    for col in ("run", "fast paths", "skipped equal", "first difference"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["run"], ", ".join(r.get("fast_paths", [])), str(r.get("skipped") == r.get("stock_skipped")),
+                  r.get("error", "")[-200:] or str(r["first_difference"] or "none: bit-identical"))
+    console.print(t)
+    m = Table(title=f"routed model, z3guard, {steps} steps ({device}): memory per rank, MiB")
+    for col in ("step", "rank0 RSS", "rank1 RSS", "rank0 GPU alloc", "rank1 GPU alloc", "rank0 GPU reserved"):
+        m.add_column(col, justify="right")
+    mib = (lambda d, k: f"{d[k] / 2**20:.1f}" if d and k in d else "-")
+    for step in sorted((mem.get("rank0_rss") or {}), key=int):
+        m.add_row(step, mib(mem["rank0_rss"], step), mib(mem["rank1_rss"], step), mib(mem["rank0_gpu_allocated"], step),
+                  mib(mem["rank1_gpu_allocated"], step), mib(mem["rank0_gpu_reserved"], step))
+    console.print(m)
+    console.print({k: mem.get(k) for k in ("trace", "divergence_steps", "error")})
+    (out / "steady_state.json").write_text(json.dumps({"device": device, "bit_identity": rows, "memory": mem}, indent=1))
+
+
+if __name__ == "__main__":
+    typer.run(main)
