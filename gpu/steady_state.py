@@ -56,11 +56,12 @@ def memory(device: str, out: Path, steps: int) -> dict:
             **{f"rank{r}_{k}": res[r].get(k) for r in (0, 1) for k in ("rss", "gpu_allocated", "gpu_reserved")}}
 
 
-def main(device: str = "cuda", out: Path = Path("/tmp/steady"), steps: int = 1000) -> None:
+def main(device: str = "cuda", out: Path = Path("/tmp/steady"),
+         steps: int = typer.Option(1000, help="steps of the memory run; 0 skips it")) -> None:
     console = Console(width=160)
     out.mkdir(parents=True, exist_ok=True)
     rows = bit_identity(device, out)
-    mem = memory(device, out, steps)
+    mem = memory(device, out, steps) if steps else {}
     t = Table(title=f"fast paths vs stock, 52 steps, skipped {SKIPS} ({device})")
     for col in ("run", "fast paths", "skipped equal", "first difference"):
         t.add_column(col)
@@ -75,7 +76,8 @@ def main(device: str = "cuda", out: Path = Path("/tmp/steady"), steps: int = 100
     for step in sorted((mem.get("rank0_rss") or {}), key=int):
         m.add_row(step, mib(mem["rank0_rss"], step), mib(mem["rank1_rss"], step), mib(mem["rank0_gpu_allocated"], step),
                   mib(mem["rank1_gpu_allocated"], step), mib(mem["rank0_gpu_reserved"], step))
-    console.print(m)
+    if steps:
+        console.print(m)
     console.print({k: mem.get(k) for k in ("trace", "divergence_steps", "error")})
     (out / "steady_state.json").write_text(json.dumps({"device": device, "bit_identity": rows, "memory": mem}, indent=1))
 

@@ -1,6 +1,8 @@
 """Issue 6: `z3guard doctor` names each hazard kind, reports nothing on clean models, verifies its fix."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from z3guard import doctor
@@ -18,7 +20,9 @@ def test_clip_attention_pooling_is_named_with_all_eight_reads_and_the_fix_verifi
     assert (hazard.kind, hazard.module) == ("cross-module read", "visual.attnpool")
     assert sorted(hazard.params) == sorted(PROJ)
     assert sorted(hazard.persistent) == [f"visual.attnpool.{p}_proj.bias" for p in "ckqv"]
-    assert hazard.source and hazard.source.endswith(".py:40")
+    path, line = hazard.source.rsplit(":", 1)  # the line of AttentionPool2d.forward that reads them
+    assert path.endswith("scenarios/models.py")
+    assert "self.c_proj.bias" in Path(path).read_text().splitlines()[int(line) - 1]
     assert hazard.crashes_stock_on == ["resume + skipped step", "resume + GatheredParameters"]
     fix = "deepspeed.zero.register_external_parameter(model.visual.attnpool, model.visual.attnpool.q_proj.bias)"
     assert fix in hazard.fix

@@ -41,15 +41,27 @@ def test_nonfinite_check_is_exact(case):
     assert any_nonfinite(t, chunk_numel=65_536) == stock
 
 
+def test_nonfinite_check_decides_fp16_buffers_from_the_sum(monkeypatch):
+    """An fp16 sum of many gradients is past 65504: the sum must accumulate in fp32, else the exact
+    (slow) check runs on every step."""
+    t = torch.full((1_000_000,), 60_000.0, dtype=torch.float16)
+    assert not torch.isfinite(t.sum())  # what a plain sum would have decided
+    checked = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda x: checked.append(x.numel()) or isfinite(x))
+    assert any_nonfinite(t) is False
+    assert checked == [1]  # the sum alone decided
+
+
 def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips)
+    off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
-                   Job("plain", guard=True, options={"fast_writeback": False, "fast_overflow_check": False},
-                       **common)], runs / "fastpaths")
+                   Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
-    assert "overflow_check" in fast["fast_paths"] and plain["fast_paths"] == []
+    assert {"overflow_check", "persistent_gather"} <= set(fast["fast_paths"]) and plain["fast_paths"] == []
     assert stock["skipped"] == fast["skipped"] == skips
     for name, res in (("fast", fast), ("plain", plain)):
         assert compare.first_loss_difference(stock["losses"], res["losses"]) is None, name

@@ -20,6 +20,10 @@ class GuardOptions:
     fall back to the exact element check only when the sum is not finite, instead of two full-size
     boolean temporaries. The same decision every time; off only to compare with stock."""
 
+    fast_persistent_gather: bool = True
+    """After each applied step, gather all persistent parameters (biases, norms) with one collective
+    instead of one per parameter. Same bytes; off only to compare with stock."""
+
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

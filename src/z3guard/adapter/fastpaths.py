@@ -10,7 +10,12 @@
   `isnan(buf).any()` over the whole fp32 host gradient buffer, each making a full-size boolean
   temporary. Here one sum decides: a non-finite element makes the sum non-finite, so a finite sum proves
   there is none; only a non-finite sum (an overflow, or finite values summing past fp32's range) pays for
-  the exact chunked check. Same decision, always.
+  the exact chunked check. Same decision, always. The sum accumulates into fp32: the buffer is fp16 under
+  fp16 training, and an fp16 sum of 177M gradients is past 65504 on every step (measured: the exact
+  check then ran every step, 176 ms).
+- persistent gather: after each applied step stage 3 re-gathers the persistent parameters (biases,
+  norms) with one collective per parameter (194 on GPT-2 medium). Here one all-gather of their
+  concatenated partitions, split into each parameter's own buffer in DeepSpeed's rank-major layout.
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -51,7 +56,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 def any_nonfinite(t: torch.Tensor, chunk_numel: int = CHUNK_NUMEL) -> bool:
     """True iff `t` holds an inf or a NaN; exact, with no full-size temporary."""
-    if torch.isfinite(t.sum()):
+    if torch.isfinite(t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()):
         return False
     flat = t.view(-1)
     return any(not torch.isfinite(flat[s:s + chunk_numel]).all() for s in range(0, flat.numel(), chunk_numel))
@@ -83,7 +88,39 @@ def host_threads(requested: int | None) -> int:
     return per_rank if per_rank > 1 else 0
 
 
-def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0) -> list[str]:
+def coalesced_gather_(params: list, device: torch.device) -> None:
+    """Gather partitioned parameters of one process group with one collective; same bytes, same layout
+    (each parameter's own buffer: rank 0's partition, rank 1's, ..., cut to its size) as stock's."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    group = params[0].ds_process_group
+    world = dist.get_world_size(group=group)
+    sizes = [p.ds_tensor.ds_numel for p in params]
+    local = torch.cat([p.ds_tensor.view(-1) for p in params]).to(device)
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    by_rank, offset = gathered.view(world, -1), 0
+    for p, n in zip(params, sizes):
+        p.data = by_rank[:, offset:offset + n].reshape(-1).narrow(0, 0, p.ds_numel).view(p.ds_shape)
+        p.ds_status = ZeroParamStatus.AVAILABLE
+        offset += n
+
+
+def _coalescable(params: list) -> bool:
+    """Plain partitioned parameters only: one process group and dtype, no quantized or secondary (hpZ)
+    partitions; anything else keeps DeepSpeed's own gather."""
+    from deepspeed import comm as dist
+
+    first = params[0] if params else None
+    return (len(params) > 1 and dist.has_all_gather_into_tensor()
+            and all(p.ds_process_group is first.ds_process_group and p.ds_tensor.dtype == first.ds_tensor.dtype
+                    and not hasattr(p.ds_tensor, "ds_quant_scale") and getattr(p, "ds_secondary_tensor", None) is None
+                    for p in params))
+
+
+def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
+          persistent_gather: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
@@ -94,6 +131,9 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         opt.z3guard_stock_has_overflow = opt.has_overflow
         opt.has_overflow = types.MethodType(_has_overflow, opt)
         applied.append("overflow_check")
+    if persistent_gather and _coalescable(list(getattr(opt, "persistent_parameters", []))):
+        opt._post_step = types.MethodType(_post_step, opt)
+        applied.append("persistent_gather")
     n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0
     if n:
         from threadpoolctl import ThreadpoolController
@@ -106,7 +146,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 def remove(engine: Any) -> None:
-    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step"):
+    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step"):
         engine.optimizer.__dict__.pop(name, None)
 
 
@@ -131,6 +171,25 @@ def _reassign_or_swap_out(self, sub_group_id: int) -> None:
         self._unflatten_partitioned_parameters(sub_group_id)
     else:
         self._partitioned_params_swap_out(sub_group_id)
+
+
+def _post_step(self, timer_names) -> None:
+    # DeepSpeed 0.19's `_post_step`, with the persistent parameters gathered by one collective.
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if self.offload_optimizer:
+        self.reset_cpu_buffers()
+    partitioned = [p for p in self.persistent_parameters if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if _coalescable(partitioned):
+        from deepspeed.accelerator import get_accelerator
+
+        coalesced_gather_(partitioned, torch.device(get_accelerator().current_device_name()))
+    elif self.persistent_parameters:
+        self.persistent_parameters[0].all_gather(self.persistent_parameters)
+    if self.swap_optimizer:
+        self.optimizer_swapper.log_timers()
+    self.invalidate_secondary_tensor()
+    self.timers.log(timer_names)
 
 
 def _has_overflow(self, partition_gradients: bool = True) -> bool:

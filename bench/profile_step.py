@@ -1,0 +1,145 @@
+"""Where one ZeRO-3 step spends its time: phase timers (device-synchronised) and torch.profiler's top ops,
+stock against z3guard, for one model and offload setting. Run on every rank by torchrun:
+
+    torchrun --nproc_per_node 2 bench/profile_step.py --offload param+optimizer --device cuda
+
+Rank 0 prints the tables and writes bench/results/profile-<device>-<offload>.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import typer
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "src"))
+import models  # noqa: E402
+from worker import config  # noqa: E402
+
+# Stage-3 optimizer methods timed one by one (DeepSpeed 0.19); missing ones are skipped.
+PHASES = ["has_overflow", "unscale_and_clip_grads", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters",
+          "_post_step", "_partition_all_parameters", "_pre_step", "partition_grads"]
+
+
+def _timed(obj, name: str, totals: dict[str, list[float]], sync) -> None:
+    original = getattr(obj, name, None)
+    if original is None:
+        return
+
+    def timed(*args, **kwargs):
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sync()
+            totals.setdefault(name, []).append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+
+
+def profile(variant: str, offload: str, model: str, steps: int, device: torch.device, world: int) -> dict:
+    import deepspeed
+
+    import z3guard
+
+    z3guard.uninstall()
+    if variant == "z3guard":
+        z3guard.install(z3guard.GuardOptions(warn=False))
+    size = models.Size.of(device.type)
+    cfg = config(variant, offload, size.batch, world, device.type)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device.type == "cuda"):
+        net, size = models.make(model, device.type)
+    kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(net.parameters(), lr=1e-4)}
+    engine, *_ = deepspeed.initialize(model=net, config=cfg, **kwargs)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    phases: dict[str, list[float]] = {}
+
+    @contextmanager
+    def phase(name: str):
+        sync()
+        t0 = time.perf_counter()
+        yield
+        sync()
+        phases.setdefault(name, []).append(time.perf_counter() - t0)
+
+    def one(step: int) -> None:
+        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        args, kw, target, _ = models.batch(model, size, step, int(os.environ.get("RANK", 0)), device, dtype)
+        with phase("forward"):
+            out = engine(*args, **kw)
+            loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+        with phase("backward"):
+            engine.backward(loss)
+        with phase("step"):
+            engine.step()
+
+    for step in range(1, 4):  # warm-up, untimed
+        one(step)
+    phases.clear()
+    for name in PHASES:
+        _timed(engine.optimizer, name, phases, sync)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for step in range(4, 4 + steps):
+            one(step)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    record = {"variant": variant, "offload": offload, "model": model, "steps": steps,
+              "fast_paths": z3guard.guard(engine).fast_paths if variant == "z3guard" else [],
+              "phases_ms": {k: 1e3 * statistics.median(v) * (len(v) / steps) for k, v in phases.items()},
+              "top_ops": [{"op": e.key, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                           "calls_per_step": e.count / steps} for e in ops]}
+    engine.destroy()
+    z3guard.uninstall()
+    return record
+
+
+def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "cuda", steps: int = 3,
+         variants: list[str] = typer.Option(["stock", "z3guard"])) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from rich.console import Console
+    from rich.table import Table
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    records = [profile(v, offload, model, steps, dev, dist.get_world_size()) for v in variants]
+    if dist.get_rank() == 0:
+        console = Console(width=150)
+        t = Table(title=f"{model}, offload {offload}: ms per step (phase: median per call x calls per step)")
+        t.add_column("phase")
+        for r in records:
+            t.add_column(r["variant"], justify="right")
+        for name in ["forward", "backward", "step"] + PHASES:
+            t.add_row(name, *(f"{r['phases_ms'][name]:.1f}" if name in r["phases_ms"] else "-" for r in records))
+        console.print(t)
+        for r in records:
+            o = Table(title=f"{r['variant']} {r['fast_paths']}: top ops by self CPU time")
+            for col in ("op", "self CPU ms/step", "calls/step"):
+                o.add_column(col)
+            for e in r["top_ops"]:
+                o.add_row(e["op"][:70], f"{e['self_cpu_ms_per_step']:.1f}", f"{e['calls_per_step']:.0f}")
+            console.print(o)
+        out = ROOT / "results" / f"profile-{device}-{offload.replace('+', '-')}.json"
+        out.write_text(json.dumps(records, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    typer.run(main)
+    sys.stdout.flush()
+    os._exit(0)
