@@ -64,6 +64,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     cfg = config(variant, offload, micro, world, device.type)
     torch.manual_seed(0)
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0  # earlier runs' leftovers
+    rss_before = psutil.Process().memory_info().rss  # RSS only grows through a process: compare the growth
     with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device.type == "cuda"):
         model, size = models.make(name, device.type)
     kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
@@ -94,7 +95,8 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "median_step_s": statistics.median(times), "min_step_s": min(times),
         "tokens_per_s": tokens * world / statistics.median(times),
         "peak_gpu_mem_bytes": torch.cuda.max_memory_allocated() - baseline if device.type == "cuda" else None,
-        "host_rss_bytes": psutil.Process().memory_info().rss, "invalidations": count_invalidations(),
+        "host_rss_bytes": psutil.Process().memory_info().rss, "host_rss_before_bytes": rss_before,
+        "invalidations": count_invalidations(),
         "trace_switches": g.trace.cache.switches if g else None,
         "trace_recordings": g.trace.cache.recordings if g else None,
         "trace_resyncs": g.trace.cache.resyncs if g else None,

@@ -2,6 +2,7 @@
 routing that picks one of four experts per layer)."""
 from __future__ import annotations
 
+from z3guard.diagnose import Diagnostics, Divergence
 from z3guard.scenarios import compare
 from z3guard.scenarios.job import Job
 
@@ -42,3 +43,15 @@ def test_memory_stays_flat_over_1000_steps_of_changing_order(runs):
         rss = {int(k): v for k, v in done.result("long", rank)["rss"].items()}
         growth = rss[1000] - rss[200]
         assert growth < 8 * 2**20, f"rank {rank}: RSS grew {growth / 2**20:.1f} MiB from step 200 to 1000"
+
+
+def test_divergence_records_stay_bounded_over_a_long_run(caplog):
+    """A model that diverges on every step must not grow the records with the run: the first
+    Diagnostics.KEPT are kept whole, all are counted, each distinct one warned about once."""
+    diagnostics = Diagnostics()
+    for step in range(3 * Diagnostics.KEPT):
+        diagnostics.add(Divergence("order", step, "blocks.1", expected="blocks.2", cause="routing"))
+    assert len(diagnostics.divergences) == Diagnostics.KEPT
+    assert sum(diagnostics.counts.values()) == 3 * Diagnostics.KEPT
+    assert len([r for r in caplog.records if r.name == "z3guard"]) == 1
+    assert f"{3 * Diagnostics.KEPT}x" in diagnostics.summary()

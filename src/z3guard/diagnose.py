@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -84,28 +85,31 @@ class Names:
 
 @dataclass
 class Diagnostics:
-    """All records of one engine; warns once per distinct divergence."""
+    """All records of one engine; warns once per distinct divergence. Memory stays bounded over a run of
+    any length: the first KEPT records are kept whole, every divergence is counted by its key."""
+
+    KEPT = 1000
 
     warn: bool = True
     divergences: list[Divergence] = field(default_factory=list)
     reads: list[CrossModuleRead] = field(default_factory=list)
-    _seen: set = field(default_factory=set)
+    counts: Counter = field(default_factory=Counter)  # key -> how many times
 
     def add(self, d: Divergence) -> None:
-        self.divergences.append(d)
-        if d.key() not in self._seen:
-            self._seen.add(d.key())
-            if self.warn:
-                log.warning(d.message())
+        if len(self.divergences) < self.KEPT:
+            self.divergences.append(d)
+        first = d.key() not in self.counts
+        self.counts[d.key()] += 1
+        if first and self.warn:
+            log.warning(d.message())
 
     def summary(self) -> str:
-        if not self.divergences and not self.reads:
+        if not self.counts and not self.reads:
             return "z3guard: no trace divergences, no cross-module parameter reads"
-        lines = [f"z3guard summary: {len(self.divergences)} trace divergence(s) "
-                 f"({len(self._seen)} distinct), {len(self.reads)} cross-module read(s) registered"]
-        for key in sorted(self._seen, key=str):
-            n = sum(1 for d in self.divergences if d.key() == key)
-            lines.append(f"  {key[0]:<13} {key[1]}: {n}x")
+        lines = [f"z3guard summary: {sum(self.counts.values())} trace divergence(s) "
+                 f"({len(self.counts)} distinct), {len(self.reads)} cross-module read(s) registered"]
+        for key in sorted(self.counts, key=str):
+            lines.append(f"  {key[0]:<13} {key[1]}: {self.counts[key]}x")
         for r in self.reads:
             lines.append(f"  read          {r.module} reads {r.param}{' (persistent)' if r.persistent else ''}"
                          f"{' at ' + r.source if r.source else ''}")

@@ -196,7 +196,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
         result["module_counts"] = g.trace.module_counts()
-        result["forward_steps"] = len(g.trace.forward_steps)
+        result["forward_steps"] = g.trace.forward_steps
     if result["crash"] is None:
         result["state"] = gathered_state(engine)
         result["optimizer"] = optimizer_tensors(engine)

@@ -25,7 +25,8 @@ class TraceGuard:
         self.cache = TraceCache()
         # (reading module, parameter) -> [steps seen, first step, last step]: reads on some steps only
         self.read_steps: dict[tuple[int, int], list[int]] = {}
-        self.forward_steps: set[int] = set()
+        self.forward_steps = 0  # steps that ran a forward (a count: a set would grow with the run)
+        self._last_forward_step = -1
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
@@ -43,7 +44,9 @@ class TraceGuard:
         """Every step starts with persistent parameters gathered, whatever came before: a skipped
         step, GatheredParameters, an explicit partition, a checkpoint load. Stock DeepSpeed
         re-gathers them only at the end of an applied step."""
-        self.forward_steps.add(self.step)
+        if self.step != self._last_forward_step:
+            self._last_forward_step = self.step
+            self.forward_steps += 1
         missing = [p for p in self.persistent if not self.adapter.is_gathered(p)]
         if missing:
             self.adapter.gather(missing)
