@@ -16,7 +16,7 @@ def main(results: Path, out: Path) -> None:
     groups = sorted({(r["model"], r["offload"], r.get("call", "")) for r in records},
                     key=lambda g: (g[2], g[0], g[1]))
     variants = ["stock", "stock-persist0", "stock-noprefetch", "z3guard-nofast", "z3guard"]
-    fig, ax = plt.subplots(figsize=(12, 4.8))
+    fig, ax = plt.subplots(figsize=(14, 5.2))
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
         xs, ys = [], []
@@ -27,7 +27,8 @@ def main(results: Path, out: Path) -> None:
                 ys.append(match[0]["median_step_s"] * 1e3)
         ax.bar(xs, ys, width, label=v)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
-    ax.set_xticklabels([f"{m}\n{o}{' (' + c + ')' if c else ''}" for m, o, c in groups], fontsize=8)
+    short = {"param+optimizer": "p+o", "param": "param", "none": "none"}
+    ax.set_xticklabels([f"{c} {m} {short.get(o, o)}" for m, o, c in groups], fontsize=8, rotation=40, ha="right")
     ax.set_ylabel("median step time (ms)")
     device = records[0]["device"]
     ax.set_title(f"ZeRO-3 step time by variant ({device}, DeepSpeed {records[0]['deepspeed']}); "
