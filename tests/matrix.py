@@ -27,6 +27,10 @@ class Case:
     stock_params: tuple[str, ...] = tuple(BIASES)
     stock_module: str = "visual.attnpool"
     stock_differs: bool = False  # stock completes but its results differ from the reference
+    # Stock hands a read the buffer of an all-gather still in flight: whether its contents are already
+    # right is a race (on gloo the gather of a small tensor often wins), so the test asserts the read
+    # itself, and bit-identity for the guarded run.
+    stock_reads_inflight: bool = False
     reference_preregistered: bool = False  # reference = stock with register_external_parameter calls
 
 
@@ -64,9 +68,9 @@ LM_CASES = [
          reference_preregistered=True),
     # Same read, prefetch on: the weight is in flight (prefetched for blocks.0's backward) when the
     # head reads it; stock hands out the unfilled buffer, and the run silently goes wrong (NaN or
-    # wrong loss at step 3, skipped steps after).
+    # wrong loss at step 3, skipped steps after) whenever the read beats the gather.
     Case("read-while-prefetched", {"scenario": "side-read"}, resume=False, skip_at=(), stock_crash_step=None,
-         stock_differs=True, reference_preregistered=True),
+         stock_reads_inflight=True, reference_preregistered=True),
     Case("tied-weight-read", {"scenario": "tied"}, resume=False, skip_at=(4,), stock_crash_step=None),
     Case("module-order-changes", {"scenario": "skip-block"}, resume=False, skip_at=(4,), stock_crash_step=None),
 ]

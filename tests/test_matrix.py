@@ -27,6 +27,10 @@ def test_stock_behaviour(matrix, case):
     stock = second.result(f"{case.id}-stock")
     if case.stock_crash_step is None:
         assert stock["crash"] is None
+        if case.stock_reads_inflight:
+            assert stock["inflight_reads"] > 0, "stock was expected to hand out an in-flight parameter"
+            assert second.result(f"{case.id}-guarded")["inflight_reads"] == 0  # z3guard waits for it
+            return
         differs = compare.first_loss_difference(ref["losses"], stock["losses"]) is not None
         assert differs == case.stock_differs
         return

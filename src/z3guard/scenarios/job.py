@@ -184,6 +184,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
             on_step(job.name, step)
     except RuntimeError as exc:  # the failure under study; anything else propagates
         result["crash"] = asdict(Crash.parse(step, exc, paths))
+    # Reads the scenario model saw handed an unfilled, still-gathering parameter (a race on its contents).
+    result["inflight_reads"] = sum(getattr(m, "inflight_reads", 0) for m in engine.module.modules())
     if job.guard:
         import z3guard
 

@@ -94,10 +94,13 @@ class LMHead(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.side_read_every = side_read_every
+        self.inflight_reads = 0  # side reads handed a parameter whose all-gather was still in flight
 
     def forward(self, x: torch.Tensor, lm: "TinyLM", step: int) -> torch.Tensor:
         if self.side_read_every and step % self.side_read_every == 0:
-            x = x + lm.blocks[0].fc1.weight.mean(0)
+            weight = lm.blocks[0].fc1.weight
+            self.inflight_reads += getattr(getattr(weight, "ds_status", None), "name", "") == "INFLIGHT"
+            x = x + weight.mean(0)
         return F.linear(self.norm(x), lm.embed.weight)
 
 
