@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from z3guard.adapter.fastpaths import any_nonfinite, chunked_cast_copy_, launcher_left_one_thread
+from z3guard.adapter.fastpaths import any_nonfinite, chunked_cast_copy_
+from z3guard.adapter.hostthreads import launcher_left_one_thread
 from z3guard.scenarios import compare
 from z3guard.scenarios.job import Job
 

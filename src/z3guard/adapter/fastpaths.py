@@ -25,12 +25,12 @@
 """
 from __future__ import annotations
 
-import os
 import types
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
+
+from .hostthreads import host_threads
 
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
 
@@ -74,32 +74,6 @@ def _sum_is_finite(t: torch.Tensor) -> bool:
     for start in range(0, flat.numel(), SUM_CHUNK_NUMEL):
         total += flat[start:start + SUM_CHUNK_NUMEL].sum(dtype=torch.float32)
     return bool(torch.isfinite(total))
-
-
-def launcher_left_one_thread(environ: Mapping[str, str], launcher_environ: Mapping[str, str] | None) -> bool:
-    """True when torchrun, not the user, set OMP_NUM_THREADS=1: a user's value is in torchrun's own
-    starting environment too (`launcher_environ`, read from /proc, which later changes do not reach)."""
-    return (environ.get("OMP_NUM_THREADS") == "1" and "TORCHELASTIC_RUN_ID" in environ
-            and launcher_environ is not None and "OMP_NUM_THREADS" not in launcher_environ)
-
-
-def _launcher_environ() -> dict[str, str] | None:
-    try:
-        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
-    except OSError:
-        return None
-    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
-
-
-def host_threads(requested: int | None) -> int:
-    """OpenMP threads for the host-side optimizer step; 0 leaves the count alone. `None` (auto) acts
-    only on torchrun's default of one thread per rank, never on a count the user chose."""
-    if requested is not None:
-        return max(0, requested)
-    if not launcher_left_one_thread(os.environ, _launcher_environ()) or torch.get_num_threads() != 1:
-        return 0
-    per_rank = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return per_rank if per_rank > 1 else 0
 
 
 def coalesced_gather_(params: list, device: torch.device) -> None:
