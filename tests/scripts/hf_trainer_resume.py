@@ -7,24 +7,18 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-parser = argparse.ArgumentParser()
-parser.add_argument("out", type=Path)
-parser.add_argument("--phase", choices=["straight", "first", "resume"], required=True)
-parser.add_argument("--guard", action="store_true")
-parser.add_argument("--skip-at", type=int, default=6)
-parser.add_argument("--steps", type=int, default=8)
-args = parser.parse_args()
+from resume_args import parse_args  # tests/scripts/, beside this file
+
+args = parse_args()
 
 if args.guard:
     import z3guard
