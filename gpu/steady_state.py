@@ -37,13 +37,10 @@ def bit_identity(device: str, out: Path) -> list[dict]:
             rows.append({"run": name, "error": done.log[-3000:]})
             continue
         stock, guarded = done.result("stock"), done.result("z3guard")
-        diffs = [compare.first_loss_difference(stock["losses"], guarded["losses"]),
-                 compare.first_tensor_difference(done.state("stock"), done.state("z3guard"))]
-        diffs += [compare.first_tensor_difference(done.optimizer("stock", r), done.optimizer("z3guard", r))
-                  for r in (0, 1)]
+        diff = compare.first_job_difference(done, "stock", "z3guard")
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
                      "stock_skipped": stock["skipped"], "fast_paths": guarded["fast_paths"],
-                     "first_difference": next((str(d) for d in diffs if d is not None), None)})
+                     "first_difference": None if diff is None else str(diff)})
     return rows
 
 

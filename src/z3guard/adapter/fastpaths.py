@@ -97,15 +97,13 @@ def coalesced_gather_(params: list, device: torch.device) -> None:
 
 def _coalescable(params: list) -> bool:
     """Plain partitioned parameters only: one process group and dtype, partitions in memory (not swapped
-    to NVMe), no quantized or secondary (hpZ) partitions; anything else keeps DeepSpeed's own gather."""
+    to NVMe, which DeepSpeed's gather swaps in first), no quantized or secondary (hpZ) partitions;
+    anything else keeps DeepSpeed's own gather."""
     from deepspeed import comm as dist
-    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 
-    in_memory = PartitionedParamStatus.AVAILABLE
     first = params[0] if params else None
     return (len(params) > 1 and dist.has_all_gather_into_tensor()
             and all(p.ds_process_group is first.ds_process_group and p.ds_tensor.dtype == first.ds_tensor.dtype
-                    and getattr(p.ds_tensor, "status", in_memory) == in_memory
                     and getattr(p.ds_tensor, "final_location", None) != "nvme"
                     and not hasattr(p.ds_tensor, "ds_quant_scale") and getattr(p, "ds_secondary_tensor", None) is None
                     for p in params))

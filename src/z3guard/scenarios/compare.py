@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,4 +37,16 @@ def first_tensor_difference(reference: dict[str, torch.Tensor], other: dict[str,
         if not torch.equal(a, b):
             diff = (a.double() - b.double()).abs().max().item()
             return Difference(name, f"max abs diff {diff:.3e}")
+    return None
+
+
+def first_job_difference(done: Any, reference: str, other: str, nproc: int = 2) -> Difference | None:
+    """Two jobs of one launch: losses, gathered weights, then each rank's optimizer partition."""
+    if d := first_loss_difference(done.result(reference)["losses"], done.result(other)["losses"]):
+        return d
+    if d := first_tensor_difference(done.state(reference), done.state(other)):
+        return d
+    for rank in range(nproc):
+        if d := first_tensor_difference(done.optimizer(reference, rank), done.optimizer(other, rank)):
+            return Difference(f"rank {rank}: {d.where}", d.detail)
     return None
