@@ -2,6 +2,8 @@
 
     python bench/run.py --device cpu           # small sizes: a smoke run (CI)
     python bench/run.py --device cuda          # GPT-2-medium shape on 2 GPUs: the numbers that count
+    python bench/run.py --device cuda --isolate --run gpt2:stock:param+optimizer ...
+                                               # one process group per run: peak host memory per run
 
 Prints a table and writes bench/results/<device>.json (a list of records, one per model/variant/offload).
 """
@@ -36,17 +38,20 @@ def plan(models: list[str], variants: list[str], offload_runs: bool) -> list[dic
 
 
 def table(records: list[dict]) -> Table:
-    t = Table(title="ZeRO-3 step time, side by side (one process group)")
-    for col in ("model", "offload", "variant", "median ms", "min ms", "x stock", "tokens/s", "peak GPU GiB",
-                "host RSS GiB", "invalidations", "switches"):
+    isolated = all(r.get("isolated") for r in records)
+    t = Table(title=f"ZeRO-3 step time, side by side ({'a process group per run' if isolated else 'one process group'})")
+    host = "host peak GiB" if isolated else "host RSS GiB"  # one process for all runs: RSS only grows
+    for col in ("model", "offload", "variant", "median ms", "fwd / bwd / step ms", "x stock", "tokens/s",
+                "peak GPU GiB", host, "invalidations", "switches"):
         t.add_column(col, justify="right" if col not in ("model", "offload", "variant") else "left")
     stock = {(r["model"], r["offload"]): r["median_step_s"] for r in records if r["variant"] == "stock"}
     for r in records:
         base = stock.get((r["model"], r["offload"]))
         gib = (lambda b: f"{b / 2**30:.2f}" if b else "-")
-        t.add_row(r["model"], r["offload"], r["variant"], f"{r['median_step_s'] * 1e3:.1f}",
-                  f"{r['min_step_s'] * 1e3:.1f}", f"{r['median_step_s'] / base:.3f}" if base else "-",
-                  f"{r['tokens_per_s']:.0f}", gib(r["peak_gpu_mem_bytes"]), gib(r["host_rss_bytes"]),
+        split = " / ".join(f"{v * 1e3:.0f}" for v in r.get("phase_median_s", {}).values()) or "-"
+        t.add_row(r["model"], r["offload"], r["variant"], f"{r['median_step_s'] * 1e3:.1f}", split,
+                  f"{r['median_step_s'] / base:.3f}" if base else "-", f"{r['tokens_per_s']:.0f}",
+                  gib(r["peak_gpu_mem_bytes"]), gib(r["host_peak_rss_bytes" if isolated else "host_rss_bytes"]),
                   str(r["invalidations"]), "-" if r["trace_switches"] is None else str(r["trace_switches"]))
     return t
 
@@ -56,6 +61,8 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
          offload_runs: bool = typer.Option(True, help="add the issue-8 offload configurations"),
          run: list[str] = typer.Option([], help="explicit runs model:variant:offload (repeatable); "
                                                 "replaces the plan from --models/--variants"),
+         isolate: bool = typer.Option(False, help="one process group per run (so each run's peak host "
+                                                  "memory is its own), in the order given"),
          steps: int = typer.Option(20, help="timed steps per run (after warm-up)"),
          warmup: int = typer.Option(5), timeout: int = typer.Option(3000),
          out: Path = typer.Option(None, help="default bench/results/<device>.json")) -> None:
@@ -63,19 +70,18 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
     runs = ([dict(zip(("model", "variant", "offload"), r.split(":"))) for r in run] if run
             else plan(models, variants, offload_runs))
     work = Path(tempfile.mkdtemp(prefix="z3guard-bench-"))
-    spec = work / "spec.json"
-    spec.write_text(json.dumps({"device": device, "out": str(work), "warmup": warmup, "steps": steps, "runs": runs}))
-    console.print(f"{len(runs)} runs, {warmup} warm-up + {steps} timed steps each, {nproc} ranks on {device}")
-    from z3guard.scenarios.launch import LaunchError
-
-    with console.status("benchmarking (one process group)..."):
-        try:
-            done = run_ranks([str(ROOT / "worker.py"), str(spec)], work, device, nproc, timeout)
-            failed = done.returncode != 0
-        except LaunchError as exc:  # past --timeout: keep the runs that finished
-            console.print(f"[red]{exc}[/]")
-            done, failed = None, True
-    records = [json.loads(p.read_text()) for p in sorted(work.glob("record-*.json"))]
+    groups = [[r] for r in runs] if isolate else [runs]
+    console.print(f"{len(runs)} runs, {warmup} warm-up + {steps} timed steps each, {nproc} ranks on {device}, "
+                  f"{len(groups)} process group(s)")
+    records, failed = [], False
+    for i, group in enumerate(groups):
+        with console.status(f"benchmarking (process group {i + 1} of {len(groups)})..."):
+            done, ok = _run_group(group, work / f"group-{i:02d}", device, nproc, warmup, steps, timeout, console)
+        records += [{**json.loads(p.read_text()), "isolated": isolate}
+                    for p in sorted((work / f"group-{i:02d}").glob("record-*.json"))]
+        if not ok and done is not None:
+            console.print(done.log[-6000:])
+        failed |= not ok
     if records:
         console.print(table(records))
         out = out or ROOT / "results" / f"{device}.json"
@@ -83,9 +89,23 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
         out.write_text(json.dumps(records, indent=1))
         console.print(f"wrote {out}: {len(records)} of {len(runs)} runs")
     if failed or len(records) != len(runs):
-        if done is not None:
-            console.print(done.log[-6000:])
         raise typer.Exit(1)
+
+
+def _run_group(runs: list[dict], work: Path, device: str, nproc: int, warmup: int, steps: int, timeout: int,
+               console: Console):
+    """One process group runs `runs` in turn; returns (the launch, whether it succeeded)."""
+    from z3guard.scenarios.launch import LaunchError
+
+    work.mkdir(parents=True)
+    spec = work / "spec.json"
+    spec.write_text(json.dumps({"device": device, "out": str(work), "warmup": warmup, "steps": steps, "runs": runs}))
+    try:
+        done = run_ranks([str(ROOT / "worker.py"), str(spec)], work, device, nproc, timeout)
+        return done, done.returncode == 0
+    except LaunchError as exc:  # past --timeout: keep the runs that finished
+        console.print(f"[red]{exc}[/]")
+        return None, False
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
     count_invalidations = adapter.load().count_invalidations(engine)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, skipped, tokens = [], 0, 0
+    times, phases, skipped, tokens = [], {"forward": [], "backward": [], "step": []}, 0, 0
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
         dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         args, kw, target, tokens = models.batch(name, size, step, rank, device, dtype)
@@ -81,11 +82,17 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         t0 = time.perf_counter()
         out = engine(*args, **kw)
         loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+        sync()  # phase ends: what the backward starts with waits for the forward's kernels anyway
+        t1 = time.perf_counter()
         engine.backward(loss)
+        sync()
+        t2 = time.perf_counter()
         engine.step()
         sync()
         if step > spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            for key, took in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                phases[key].append(took)
             skipped += not engine.was_step_applied()
     g = z3guard.guard(engine) if variant.startswith("z3guard") else None
     record = {
@@ -95,7 +102,9 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "median_step_s": statistics.median(times), "min_step_s": min(times),
         "tokens_per_s": tokens * world / statistics.median(times),
         "peak_gpu_mem_bytes": torch.cuda.max_memory_allocated() - baseline if device.type == "cuda" else None,
+        "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
         "host_rss_bytes": psutil.Process().memory_info().rss, "host_rss_before_bytes": rss_before,
+        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # of the process
         "invalidations": count_invalidations(),
         "trace_switches": g.trace.cache.switches if g else None,
         "trace_recordings": g.trace.cache.recordings if g else None,

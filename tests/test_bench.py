@@ -8,7 +8,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "run.py"
 FIELDS = {"model", "variant", "offload", "median_step_s", "min_step_s", "peak_gpu_mem_bytes", "invalidations",
-          "device", "deepspeed", "date", "tokens_per_s", "host_rss_bytes", "trace_switches", "steps"}
+          "device", "deepspeed", "date", "tokens_per_s", "host_rss_bytes", "trace_switches", "steps",
+          "phase_median_s", "host_peak_rss_bytes"}
 
 
 def test_cpu_smoke_run_writes_every_record(tmp_path):
@@ -30,3 +31,18 @@ def test_cpu_smoke_run_writes_every_record(tmp_path):
     assert by["gpt2-skip", "z3guard", "param"]["trace_switches"] >= 18
     assert by["gpt2", "z3guard", "param"]["invalidations"] == by["gpt2", "stock", "param"]["invalidations"] == 0
     assert "ZeRO-3 step time" in done.stdout
+
+
+def test_isolated_runs_each_get_a_process_group(tmp_path):
+    """--isolate: each run in its own process group, so the peak host memory recorded is the run's own."""
+    out = tmp_path / "cpu.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--steps", "3", "--warmup", "1", "--isolate",
+                           "--run", "gpt2:stock:param+optimizer", "--run", "gpt2:z3guard:param+optimizer",
+                           "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    records = json.loads(out.read_text())
+    assert [(r["variant"], r["isolated"]) for r in records] == [("stock", True), ("z3guard", True)]
+    for r in records:
+        assert set(r["phase_median_s"]) == {"forward", "backward", "step"}
+        assert r["host_peak_rss_bytes"] >= r["host_rss_bytes"] - 2**20  # peak of its own process
+    assert "2 process group(s)" in done.stdout and "host peak GiB" in done.stdout

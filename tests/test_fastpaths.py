@@ -40,6 +40,9 @@ def test_nonfinite_check_is_exact(case):
         t[:10] = 3e38  # finite values whose sum is not: the exact check must decide
     stock = bool(torch.isinf(t).any() or torch.isnan(t).any())
     assert any_nonfinite(t, chunk_numel=65_536) == stock
+    assert any_nonfinite(t, chunk_numel=65_536, on=torch.device("cpu")) == stock  # the GPU path's chunking
+    half = t.clamp(-6e4, 6e4).half() if case == "finite" else t.half()  # fp16 training's buffer
+    assert any_nonfinite(half, chunk_numel=65_536, on=torch.device("cpu")) == bool(~torch.isfinite(half).all())
 
 
 def test_nonfinite_check_decides_fp16_buffers_from_the_sum(monkeypatch):
