@@ -18,12 +18,19 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import models  # noqa: E402
 
-VARIANT_CONFIG = {
+VARIANT_CONFIG = {  # stock DeepSpeed, and its workarounds as config
     "stock": {},
     "stock-persist0": {"stage3_param_persistence_threshold": 0},
     "stock-noprefetch": {"stage3_prefetch_bucket_size": 0},
+}
+GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alone), or all but one
     "z3guard": {},
-    "z3guard-nofast": {},
+    "z3guard-nofast": {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
+                       "host_threads": 0},
+    "z3guard-nothreads": {"host_threads": 0},
+    "z3guard-nogather": {"fast_persistent_gather": False},
+    "z3guard-nowriteback": {"fast_writeback": False},
+    "z3guard-nocheck": {"fast_overflow_check": False},
 }
 OFFLOAD = {
     "none": {},
@@ -36,7 +43,7 @@ OFFLOAD = {
 def config(variant: str, offload: str, micro_batch: int, world: int, device: str) -> dict:
     """ZeRO-3 defaults (overlap_comm, persistence 1e5, prefetch bucket 5e7); fp16 from scale 2^10 on
     GPUs, bf16 on the CPU smoke run (DeepSpeed's CPU accelerator refuses fp16)."""
-    zero = {"stage": 3, **OFFLOAD[offload], **VARIANT_CONFIG[variant]}
+    zero = {"stage": 3, **OFFLOAD[offload], **VARIANT_CONFIG.get(variant, {})}
     precision = {"fp16": {"enabled": True, "initial_scale_power": 10}} if device == "cuda" else \
         {"bf16": {"enabled": True}}
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "train_batch_size": micro_batch * world,
@@ -56,10 +63,8 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
 
     name, variant, offload = spec["model"], spec["variant"], spec["offload"]
     z3guard.uninstall()
-    if variant.startswith("z3guard"):
-        fast = variant == "z3guard"
-        z3guard.install(z3guard.GuardOptions(fast_writeback=fast, fast_overflow_check=fast,
-                                             host_threads=None if fast else 0, warn=False))
+    if variant in GUARD_OPTIONS:
+        z3guard.install(z3guard.GuardOptions(warn=False, **GUARD_OPTIONS[variant]))
     size = models.Size.of(device.type)
     micro = size.batch * (4 if name == "clip" else 1)
     cfg = config(variant, offload, micro, world, device.type)
@@ -94,7 +99,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
             for key, took in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
                 phases[key].append(took)
             skipped += not engine.was_step_applied()
-    g = z3guard.guard(engine) if variant.startswith("z3guard") else None
+    g = z3guard.guard(engine) if variant in GUARD_OPTIONS else None
     record = {
         "model": name, "variant": variant, "offload": offload, "device": device.type,
         "gpus": world if device.type == "cuda" else 0, "deepspeed": version("deepspeed"), "torch": torch.__version__,
