@@ -28,6 +28,7 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nofast": {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
                        "host_threads": 0},
     "z3guard-nothreads": {"host_threads": 0},
+    "z3guard-threads8": {"host_threads": 8},
     "z3guard-nogather": {"fast_persistent_gather": False},
     "z3guard-nowriteback": {"fast_writeback": False},
     "z3guard-nocheck": {"fast_overflow_check": False},
