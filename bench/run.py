@@ -44,9 +44,7 @@ def table(records: list[dict]) -> Table:
     for col in ("model", "offload", "variant", "median ms", "fwd / bwd / step ms", "x stock", "tokens/s",
                 "peak GPU GiB", host, "invalidations", "switches"):
         t.add_column(col, justify="right" if col not in ("model", "offload", "variant") else "left")
-    stock = {(r["model"], r["offload"]): r["median_step_s"] for r in records if r["variant"] == "stock"}
-    for r in records:
-        base = stock.get((r["model"], r["offload"]))
+    for r, base in zip(records, _stock_medians(records)):
         gib = (lambda b: f"{b / 2**30:.2f}" if b else "-")
         split = " / ".join(f"{v * 1e3:.0f}" for v in r.get("phase_median_s", {}).values()) or "-"
         t.add_row(r["model"], r["offload"], r["variant"], f"{r['median_step_s'] * 1e3:.1f}", split,
@@ -54,6 +52,22 @@ def table(records: list[dict]) -> Table:
                   gib(r["peak_gpu_mem_bytes"]), gib(r["host_peak_rss_bytes" if isolated else "host_rss_bytes"]),
                   str(r["invalidations"]), "-" if r["trace_switches"] is None else str(r["trace_switches"]))
     return t
+
+
+def _stock_medians(records: list[dict]) -> list[float | None]:
+    """Each record's stock reference: the last stock run of its model and offload before it (runs may
+    alternate stock and z3guard to give several side-by-side pairs), else the first one after it."""
+    first = {}
+    for r in records:
+        if r["variant"] == "stock":
+            first.setdefault((r["model"], r["offload"]), r["median_step_s"])
+    last, out = dict(first), []
+    for r in records:
+        key = (r["model"], r["offload"])
+        if r["variant"] == "stock":
+            last[key] = r["median_step_s"]
+        out.append(last.get(key))
+    return out
 
 
 def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: int = typer.Option(2),

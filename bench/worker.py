@@ -105,7 +105,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "model": name, "variant": variant, "offload": offload, "device": device.type,
         "gpus": world if device.type == "cuda" else 0, "deepspeed": version("deepspeed"), "torch": torch.__version__,
         "date": date.today().isoformat(), "steps": len(times), "warmup": spec["warmup"],
-        "median_step_s": statistics.median(times), "min_step_s": min(times),
+        "median_step_s": statistics.median(times), "min_step_s": min(times), "steps_s": times,
         "tokens_per_s": tokens * world / statistics.median(times),
         "peak_gpu_mem_bytes": torch.cuda.max_memory_allocated() - baseline if device.type == "cuda" else None,
         "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
