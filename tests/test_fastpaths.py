@@ -61,7 +61,8 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips)
-    off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False}
+    off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
+           "fast_fused_step": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
@@ -86,15 +87,52 @@ def test_host_threads_only_replace_torchruns_default(environ, launcher, left):
     assert launcher_left_one_thread(environ, launcher) is left
 
 
-def test_host_threads_are_bit_identical_with_ds_cpu_adam_over_52_steps_with_skips(runs):
-    """DeepSpeedCPUAdam on the offloaded optimizer: stock on one thread per rank, z3guard on two."""
+def test_host_threads_and_fused_step_are_bit_identical_with_ds_cpu_adam_over_52_steps_with_skips(runs):
+    """DeepSpeedCPUAdam on the offloaded optimizer: stock on one thread per rank, z3guard on two with
+    unscale, Adam and write-back fused (one chunk on this model: test_fused_update_* splits)."""
     ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips, config=ds_adam)
     done = launch([Job("stock", **common), Job("threads", guard=True, options={"host_threads": 2}, **common)],
                   runs / "host-threads")
     stock, threads = done.result("stock"), done.result("threads")
-    assert "host_threads=2" in threads["fast_paths"]
+    assert {"host_threads=2", "fused_step"} <= set(threads["fast_paths"])
     assert stock["skipped"] == threads["skipped"] == skips
     diff = compare.first_job_difference(done, "stock", "threads")  # losses, weights, both ranks' optimizers
     assert diff is None, str(diff)
+
+
+@pytest.mark.parametrize("chunk", [128, 4096, 1 << 20])
+def test_fused_update_is_bit_identical_to_ds_cpu_adam_in_three_passes(chunk, monkeypatch):
+    """The fused step's chunks against DeepSpeed's three whole-partition passes (unscale, DeepSpeedCPUAdam,
+    cast), over several steps of an odd-sized partition (its tail runs the kernel's narrower code)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from z3guard.scenarios.launch import rank_env
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", rank_env("cpu")["TORCH_EXTENSIONS_DIR"])  # the ranks' build
+
+    from z3guard.adapter.fusedstep import fused_update
+
+    n, gen = 100_003, torch.Generator().manual_seed(3)
+    start = torch.randn(n, generator=gen)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    lows = [torch.empty(n, dtype=torch.float16) for _ in range(2)]
+    stock, fused = (DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01) for p in params)
+    for step in range(1, 5):
+        grad = torch.randn(n, generator=gen) * 1024
+        factor = 1. / torch.tensor(1024.0 * (1 + step / 7))
+        params[0].grad, params[1].grad = grad.clone(), grad.clone()
+        params[0].grad.mul_(factor)
+        stock.step()
+        lows[0].copy_(params[0].data)
+        state = fused.state[params[1]]
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+        state["step"] += 1
+        fused_update(fused, fused.param_groups[0], state, params[1].data, params[1].grad, lows[1], factor, chunk)
+    for a, b in [(params[0].data, params[1].data), (lows[0], lows[1]),
+                 (stock.state[params[0]]["exp_avg"], fused.state[params[1]]["exp_avg"]),
+                 (stock.state[params[0]]["exp_avg_sq"], fused.state[params[1]]["exp_avg_sq"])]:
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16),
+                           b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16))

@@ -24,6 +24,11 @@ class GuardOptions:
     """After each applied step, gather all persistent parameters (biases, norms) with one collective
     instead of one per parameter. Same bytes; off only to compare with stock."""
 
+    fast_fused_step: bool = True
+    """With `offload_optimizer` and DeepSpeedCPUAdam (and `fast_writeback`): unscale, Adam and the
+    write-back cast run chunk by chunk in one pass over the host state instead of three passes over all
+    of it. Bit-identical (chunks on the Adam kernel's SIMD blocks); off only to compare with stock."""
+
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import fusedstep
 from .hostthreads import host_threads
 
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
@@ -123,13 +124,16 @@ def _coalescable(params: list) -> bool:
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")
+        if fused_step and fusedstep.fusable(opt):  # it does the write-back's cast: only beside it
+            fusedstep.apply(opt)
+            applied.append("fused_step")
     if overflow_check and hasattr(opt, "grad_partitions_flat_buffer"):
         opt.z3guard_stock_has_overflow = opt.has_overflow
         opt.has_overflow = types.MethodType(_has_overflow, opt)
@@ -142,15 +146,17 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         from threadpoolctl import ThreadpoolController
 
         opt.z3guard_threads = (ThreadpoolController(), n)
-        opt.z3guard_stock_step = opt.step
-        opt.step = types.MethodType(_step_with_host_threads, opt)
         applied.append(f"host_threads={n}")
+    if n or "fused_step" in applied:
+        opt.z3guard_stock_step = opt.step
+        opt.step = types.MethodType(_step, opt)
     return applied
 
 
 def remove(engine: Any) -> None:
     for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step"):
         engine.optimizer.__dict__.pop(name, None)
+    fusedstep.remove(engine.optimizer)
 
 
 def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
@@ -160,17 +166,25 @@ def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
                                                                           DeepSpeedCPUAdam)
 
 
-def _step_with_host_threads(self, *args, **kwargs):
-    controller, n = self.z3guard_threads
-    with controller.limit(limits=n, user_api="openmp"):  # restored on exit
-        return self.z3guard_stock_step(*args, **kwargs)
+def _step(self, *args, **kwargs):
+    """DeepSpeed's step, with the host threads (if set) and nothing of the fused step left behind
+    (what a step that raised half-way noted must not reach a later write-back)."""
+    try:
+        if getattr(self, "z3guard_threads", None) is None:
+            return self.z3guard_stock_step(*args, **kwargs)
+        controller, n = self.z3guard_threads
+        with controller.limit(limits=n, user_api="openmp"):  # restored on exit
+            return self.z3guard_stock_step(*args, **kwargs)
+    finally:
+        getattr(self, "z3guard_fused", {}).clear()
 
 
 def _reassign_or_swap_out(self, sub_group_id: int) -> None:
     # DeepSpeed 0.19's `_reassign_or_swap_out_partitioned_parameters`, with the copy replaced.
     if self.fp16_partitioned_groups_flat[sub_group_id] is not None:
-        cast_copy_(self.fp16_partitioned_groups_flat[sub_group_id].data,
-                   self.fp32_partitioned_groups_flat[sub_group_id].data)
+        if not fusedstep.take_written(self, sub_group_id):  # else the fused step cast it already
+            cast_copy_(self.fp16_partitioned_groups_flat[sub_group_id].data,
+                       self.fp32_partitioned_groups_flat[sub_group_id].data)
         self._unflatten_partitioned_parameters(sub_group_id)
     else:
         self._partitioned_params_swap_out(sub_group_id)
