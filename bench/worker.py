@@ -45,7 +45,7 @@ OFFLOAD = {
 def config(variant: str, offload: str, micro_batch: int, world: int, device: str) -> dict:
     """ZeRO-3 defaults (overlap_comm, persistence 1e5, prefetch bucket 5e7); fp16 from scale 2^10 on
     GPUs, bf16 on the CPU smoke run (DeepSpeed's CPU accelerator refuses fp16)."""
-    zero = {"stage": 3, **OFFLOAD[offload], **VARIANT_CONFIG.get(variant, {})}
+    zero = {"stage": 3, **OFFLOAD[offload], **VARIANT_CONFIG.get(variant, {})}  # z3guard's: stock config
     precision = {"fp16": {"enabled": True, "initial_scale_power": 10}} if device == "cuda" else \
         {"bf16": {"enabled": True}}
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "train_batch_size": micro_batch * world,
@@ -64,6 +64,8 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     from z3guard import adapter
 
     name, variant, offload = spec["model"], spec["variant"], spec["offload"]
+    if variant not in VARIANT_CONFIG and variant not in GUARD_OPTIONS:
+        raise ValueError(f"unknown variant {variant!r}: one of {sorted({**VARIANT_CONFIG, **GUARD_OPTIONS})}")
     z3guard.uninstall()
     if variant in GUARD_OPTIONS:
         z3guard.install(z3guard.GuardOptions(warn=False, **GUARD_OPTIONS[variant]))

@@ -1,6 +1,8 @@
 """Issue 8: the offload fast paths give the same bytes as stock DeepSpeed."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -89,14 +91,17 @@ def test_host_threads_only_replace_torchruns_default(environ, launcher, left):
 
 def test_host_threads_and_fused_step_are_bit_identical_with_ds_cpu_adam_over_52_steps_with_skips(runs):
     """DeepSpeedCPUAdam on the offloaded optimizer: stock on one thread per rank, z3guard on two with
-    unscale, Adam and write-back fused (one chunk on this model: test_fused_update_* splits)."""
-    ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    unscale, Adam and write-back fused, over several sub-groups (one chunk each on this model:
+    test_fused_update_* splits a partition into many)."""
+    ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"sub_group_size": 5000}}
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips, config=ds_adam)
     done = launch([Job("stock", **common), Job("threads", guard=True, options={"host_threads": 2}, **common)],
                   runs / "host-threads")
     stock, threads = done.result("stock"), done.result("threads")
     assert {"host_threads=2", "fused_step"} <= set(threads["fast_paths"])
+    assert threads["optimizer_sub_groups"] >= 3
     assert stock["skipped"] == threads["skipped"] == skips
     diff = compare.first_job_difference(done, "stock", "threads")  # losses, weights, both ranks' optimizers
     assert diff is None, str(diff)
@@ -136,3 +141,37 @@ def test_fused_update_is_bit_identical_to_ds_cpu_adam_in_three_passes(chunk, mon
                  (stock.state[params[0]]["exp_avg_sq"], fused.state[params[1]]["exp_avg_sq"])]:
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16),
                            b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16))
+
+
+def test_fused_step_steps_aside_for_what_expects_ds_cpu_adam_step_to_run(monkeypatch):
+    """Step hooks and LR schedulers built on the optimizer see its `step` run: the fused step keeps out."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from z3guard.adapter.fusedstep import _steps_plainly
+    from z3guard.scenarios.launch import rank_env
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", rank_env("cpu")["TORCH_EXTENSIONS_DIR"])
+    new = (lambda: DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))], lr=1e-3))
+    assert _steps_plainly(new())
+    hooked = new()
+    handle = hooked.register_step_post_hook(lambda *a: None)
+    assert not _steps_plainly(hooked)
+    handle.remove()
+    assert _steps_plainly(hooked)
+    scheduled = new()  # a torch LR scheduler only counts steps (Hugging Face Trainer builds one on it)
+    torch.optim.lr_scheduler.StepLR(scheduled, step_size=1)
+    assert "step" in vars(scheduled) and _steps_plainly(scheduled)
+    counted = scheduled.step
+
+    def foreign(*args, **kwargs):  # anything else wrapped around step: keep out
+        return counted(*args, **kwargs)
+
+    scheduled.step = functools.wraps(counted)(foreign)
+    assert not _steps_plainly(scheduled)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    try:
+        assert not _steps_plainly(new())
+    finally:
+        handle.remove()

@@ -154,7 +154,8 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 def remove(engine: Any) -> None:
-    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step"):
+    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step",
+                 "z3guard_threads", "z3guard_stock_step", "z3guard_stock_has_overflow"):
         engine.optimizer.__dict__.pop(name, None)
     fusedstep.remove(engine.optimizer)
 

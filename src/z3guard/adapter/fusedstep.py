@@ -14,7 +14,9 @@ reason), so every element takes the same code path as in the whole-partition cal
 passed unchanged to every chunk, which the kernel treats as "already incremented".
 
 The three stock methods stay the units DeepSpeed calls: the unscale only records its factor, the
-optimizer step runs the chunks, the write-back only unflattens what the chunks wrote.
+optimizer step runs the chunks, the write-back only unflattens what the chunks wrote. Where something
+expects DeepSpeedCPUAdam.step itself to run (step hooks, an LR scheduler counting its calls), the step
+stays stock's; its profiler label is the one thing the fused step does not keep.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ CHUNK_NUMEL = 1 << 20  # 4 MiB of fp32 per tensor; a multiple of every SIMD_WIDT
 
 
 def fusable(opt: Any) -> bool:
-    """Plain stage 3 with every sub-group's fp32 state in host memory, stepped by DeepSpeedCPUAdam."""
+    """Plain stage 3 with every sub-group's fp32 state and fp16 partition in host memory (`offload_param`
+    + `offload_optimizer`, the configuration measured), stepped by DeepSpeedCPUAdam."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -36,7 +39,23 @@ def fusable(opt: Any) -> bool:
             and not getattr(opt, "zenflow", False) and not getattr(opt, "use_muon", False)
             and getattr(opt, "torch_autocast_gradscaler", None) is None
             and all(getattr(opt, "subgroup_to_device", {}).get(i) == "cpu" and flat is not None
-                    for i, flat in enumerate(opt.fp16_partitioned_groups_flat)))
+                    and flat.device.type == "cpu" for i, flat in enumerate(opt.fp16_partitioned_groups_flat)))
+
+
+def _steps_plainly(adam: Any) -> bool:
+    """Nothing expects DeepSpeedCPUAdam.step itself to run this step: no step hooks (its own or global),
+    and no step replaced on the instance but a torch LR scheduler's, which only notes that a step ran
+    (`_opt_called`, set here too). Hugging Face Trainer builds its scheduler on this optimizer."""
+    from torch.optim import optimizer as torch_optimizer
+
+    replaced = vars(adam).get("step")
+    return not (adam._optimizer_step_pre_hooks or adam._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks
+                or (replaced is not None and not _is_lr_scheduler_counter(replaced, adam)))
+
+
+def _is_lr_scheduler_counter(step: Any, adam: Any) -> bool:
+    return getattr(step, "_wrapped_by_lr_sched", False) and getattr(step, "__wrapped__", None) is type(adam).step
 
 
 def apply(opt: Any) -> None:
@@ -48,7 +67,8 @@ def apply(opt: Any) -> None:
 
 
 def remove(opt: Any) -> None:
-    for name in ("unscale_and_clip_grads", "_optimizer_step"):
+    for name in ("unscale_and_clip_grads", "_optimizer_step", "z3guard_fused", "z3guard_stock_unscale",
+                 "z3guard_stock_optimizer_step"):
         opt.__dict__.pop(name, None)
 
 
@@ -60,6 +80,8 @@ def take_written(opt: Any, sub_group_id: int) -> bool:
 
 def _unscale_and_clip_grads(self, sub_group_id: int, total_norm) -> None:
     # DeepSpeed 0.19's factor, applied later chunk by chunk.
+    if not _steps_plainly(self.optimizer):
+        return self.z3guard_stock_unscale(sub_group_id, total_norm)
     combined_scale = self.loss_scale
     if self.clip_grad > 0.:
         clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
@@ -83,6 +105,8 @@ def _optimizer_step(self, sub_group_id: int) -> None:
         state["exp_avg"] = torch.zeros_like(fp32.data, dtype=state_dtype, device="cpu")
         state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=state_dtype, device="cpu")
     state["step"] += 1
+    if "step" in vars(adam):  # a torch LR scheduler's counter (see _steps_plainly)
+        adam._opt_called = True
     fused_update(adam, group, state, fp32.data, fp32.grad.data, self.fp16_partitioned_groups_flat[sub_group_id].data,
                  factor)
     self.z3guard_fused[sub_group_id] = "written"
