@@ -26,9 +26,10 @@ class GuardOptions:
     instead of one per parameter. Same bytes; off only to compare with stock."""
 
     fast_fused_step: bool = True
-    """With `offload_optimizer` and DeepSpeedCPUAdam (and `fast_writeback`): unscale, Adam and the
-    write-back cast run chunk by chunk in one pass over the host state instead of three passes over all
-    of it. Bit-identical (chunks on the Adam kernel's SIMD blocks); off only to compare with stock."""
+    """With `offload_param` + `offload_optimizer` and DeepSpeedCPUAdam (and `fast_writeback`): unscale,
+    Adam and the write-back cast run chunk by chunk in one pass over the host state instead of three
+    passes over all of it. Bit-identical (chunks on the Adam kernel's SIMD blocks). Steps aside, per
+    step, where optimizer step hooks are registered; off only to compare with stock."""
 
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
