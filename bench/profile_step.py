@@ -12,18 +12,16 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import typer
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "src"))
 import models  # noqa: E402
-from worker import config  # noqa: E402
+from worker import config, timed_step  # noqa: E402
 
 # Stage-3 optimizer methods timed one by one (DeepSpeed 0.19); missing ones are skipped.
 PHASES = ["has_overflow", "unscale_and_clip_grads", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters",
@@ -65,24 +63,11 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     phases: dict[str, list[float]] = {}
 
-    @contextmanager
-    def phase(name: str):
-        sync()
-        t0 = time.perf_counter()
-        yield
-        sync()
-        phases.setdefault(name, []).append(time.perf_counter() - t0)
-
     def one(step: int) -> None:
         dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         args, kw, target, _ = models.batch(model, size, step, int(os.environ.get("RANK", 0)), device, dtype)
-        with phase("forward"):
-            out = engine(*args, **kw)
-            loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
-        with phase("backward"):
-            engine.backward(loss)
-        with phase("step"):
-            engine.step()
+        for name, took in zip(("forward", "backward", "step"), timed_step(engine, args, kw, target, sync)):
+            phases.setdefault(name, []).append(took)
 
     for step in range(1, 4):  # warm-up, untimed
         one(step)

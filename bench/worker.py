@@ -56,6 +56,23 @@ def config(variant: str, offload: str, micro_batch: int, world: int, device: str
     return cfg
 
 
+def timed_step(engine, args: tuple, kw: dict, target: torch.Tensor, sync) -> tuple[float, float, float]:
+    """One forward (with the loss), backward and optimizer step; the seconds of each, each phase timed to
+    the device's completion (what the next phase starts with waits for the last one's kernels anyway)."""
+    sync()
+    t0 = time.perf_counter()
+    out = engine(*args, **kw)
+    loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+    sync()
+    t1 = time.perf_counter()
+    engine.backward(loss)
+    sync()
+    t2 = time.perf_counter()
+    engine.step()
+    sync()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
 def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     import deepspeed
     import psutil
@@ -87,21 +104,11 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         args, kw, target, tokens = models.batch(name, size, step, rank, device, dtype)
         if step == spec["warmup"] + 1 and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sync()
-        t0 = time.perf_counter()
-        out = engine(*args, **kw)
-        loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
-        sync()  # phase ends: what the backward starts with waits for the forward's kernels anyway
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        sync()
-        t2 = time.perf_counter()
-        engine.step()
-        sync()
+        took = timed_step(engine, args, kw, target, sync)
         if step > spec["warmup"]:
-            times.append(time.perf_counter() - t0)
-            for key, took in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
-                phases[key].append(took)
+            times.append(sum(took))
+            for key, seconds in zip(phases, took):
+                phases[key].append(seconds)
             skipped += not engine.was_step_applied()
     g = z3guard.guard(engine) if variant in GUARD_OPTIONS else None
     record = {
