@@ -7,8 +7,11 @@ Rank 0 prints the tables and writes bench/results/profile-<device>-<offload>.jso
 """
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -21,7 +24,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "src"))
 import models  # noqa: E402
-from worker import config, timed_step  # noqa: E402
+from worker import GUARD_OPTIONS, config, timed_step  # noqa: E402
 
 # Stage-3 optimizer methods timed one by one (DeepSpeed 0.19); missing ones are skipped.
 PHASES = ["has_overflow", "unscale_and_clip_grads", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters",
@@ -51,8 +54,8 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     import z3guard
 
     z3guard.uninstall()
-    if variant == "z3guard":
-        z3guard.install(z3guard.GuardOptions(warn=False))
+    if variant in GUARD_OPTIONS:
+        z3guard.install(z3guard.GuardOptions(warn=False, **GUARD_OPTIONS[variant]))
     size = models.Size.of(device.type)
     cfg = config(variant, offload, size.batch, world, device.type)
     torch.manual_seed(0)
@@ -80,9 +83,19 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
         for step in range(4, 4 + steps):
             one(step)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    phases_ms = {k: 1e3 * statistics.median(v) * (len(v) / steps) for k, v in phases.items()}
+    python = cProfile.Profile()  # the Python functions of an unprofiled-by-torch step, after the phase timers
+    with python:
+        for step in range(4 + steps, 4 + 2 * steps):
+            one(step)
+    text = io.StringIO()
+    stats = pstats.Stats(python, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(25)
     record = {"variant": variant, "offload": offload, "model": model, "steps": steps,
-              "fast_paths": z3guard.guard(engine).fast_paths if variant == "z3guard" else [],
-              "phases_ms": {k: 1e3 * statistics.median(v) * (len(v) / steps) for k, v in phases.items()},
+              "fast_paths": z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else [],
+              "cprofile": text.getvalue(),
+              "phases_ms": phases_ms,
               "top_ops": [{"op": e.key, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
                            "calls_per_step": e.count / steps} for e in ops]}
     engine.destroy()
@@ -118,6 +131,8 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
             for e in r["top_ops"]:
                 o.add_row(e["op"][:70], f"{e['self_cpu_ms_per_step']:.1f}", f"{e['calls_per_step']:.0f}")
             console.print(o)
+            if os.environ.get("Z3GUARD_PRINT_CPROFILE"):
+                print(r["cprofile"])
         out = ROOT / "results" / f"profile-{device}-{offload.replace('+', '-')}.json"
         out.write_text(json.dumps(records, indent=1))
     dist.barrier()
