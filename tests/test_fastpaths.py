@@ -70,9 +70,48 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
     assert {"overflow_check", "persistent_gather"} <= set(fast["fast_paths"]) and plain["fast_paths"] == []
     assert stock["skipped"] == fast["skipped"] == skips
+    # every gradient arrived on every step: the norms decided each check, no buffer was read
+    assert fast["overflow_reads"] == {"checks": 52, "elements_read": 0}
     for name in ("fast", "plain"):  # losses, weights, both ranks' optimizer states
         diff = compare.first_job_difference(done, "stock", name)
         assert diff is None, f"{name}: {diff}"
+
+
+def _stage3_like(norms: dict, noted: dict, sizes=(4, 6)):
+    """What `_nonfinite_gradients` reads of stage 3: the flat host buffer, its per-parameter regions, the
+    norms stage 3 took and the ones the fast path saw it take."""
+    from types import SimpleNamespace
+
+    buffer, params = torch.zeros(sum(sizes), dtype=torch.float16), [SimpleNamespace(ds_id=i) for i in range(len(sizes))]
+    regions, start = {}, 0
+    for p, n in zip(params, sizes):
+        regions[p.ds_id], start = buffer[start:start + n], start + n
+    opt = SimpleNamespace(fp16_groups=[params], get_param_id=lambda p: p.ds_id, norm_for_param_grads=norms,
+                          z3guard_normed=noted, z3guard_overflow_reads={"checks": 0, "elements_read": 0})
+    setattr(opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", regions)
+    return opt, buffer
+
+
+def test_overflow_check_reads_the_regions_no_current_norm_covers():
+    from z3guard.adapter.fastpaths import _nonfinite_gradients
+
+    one, two = torch.tensor(1.0), torch.tensor(2.0)
+    opt, buffer = _stage3_like({0: one, 1: two}, {0: (one, 4), 1: (two, 6)})
+    assert _nonfinite_gradients(opt, buffer, None) is False and opt.z3guard_overflow_reads["elements_read"] == 0
+    opt, buffer = _stage3_like({0: one, 1: torch.tensor(float("inf"))}, {0: (one, 4), 1: (two, 6)})
+    assert _nonfinite_gradients(opt, buffer, None) is False  # norm 1 replaced since (not the one noted): read
+    assert opt.z3guard_overflow_reads["elements_read"] == 6
+    for norms, noted in [({0: one, 1: two}, {0: (one, 4), 1: (two, 6)}),  # both covered, but region 1 ...
+                         ({0: one}, {0: (one, 4)}),  # ... no gradient this step, left from an earlier one
+                         ({0: one, 1: two}, {0: (one, 4), 1: (two, 5)})]:  # the norm covered part of it
+        opt, buffer = _stage3_like(norms, noted)
+        buffer[7] = float("nan")
+        covered = len(noted) == 2 and noted[1][1] == 6
+        assert _nonfinite_gradients(opt, buffer, None) is (not covered)  # read only where not covered
+    opt, buffer = _stage3_like({0: one, 1: torch.tensor(float("nan"))}, {0: (one, 4)})
+    opt.z3guard_normed[1] = (opt.norm_for_param_grads[1], 6)
+    assert _nonfinite_gradients(opt, buffer, None) is True  # a non-finite norm: an overflow, nothing read
+    assert opt.z3guard_overflow_reads["elements_read"] == 0
 
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "OMP_NUM_THREADS": "1"}

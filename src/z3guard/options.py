@@ -16,10 +16,11 @@ class GuardOptions:
     of the whole partition every step. Bit-identical (same rounding); off only to compare with stock."""
 
     fast_overflow_check: bool = True
-    """With `offload_optimizer` and fp16: check the host gradient buffer for inf/NaN on the GPU (copied
-    there chunk by chunk from pinned memory), or, where it is not pinned, from one fp32 sum with the exact
-    check only when the sum is not finite; instead of two full-size boolean temporaries on one thread.
-    The same decision every time; off only to compare with stock."""
+    """With `offload_optimizer` and fp16: decide the overflow check from the gradient norms stage 3 took
+    on the device as each gradient reached the host buffer (a norm is finite exactly when its elements
+    are); read only what no current norm covers, on the GPU from pinned memory or from one fp32 sum with
+    the exact check only when the sum is not finite; instead of two full-size boolean temporaries on one
+    thread. The same decision every time; off only to compare with stock."""
 
     fast_persistent_gather: bool = True
     """After each applied step, gather all persistent parameters (biases, norms) with one collective

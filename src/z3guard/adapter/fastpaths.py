@@ -8,13 +8,16 @@
   the same IEEE rounding on either side, so the bytes are identical.
 - overflow check: with `offload_optimizer` the fp16 overflow check runs `isinf(buf).any()` and
   `isnan(buf).any()` over the whole host gradient buffer on one thread, each making a full-size boolean
-  temporary. Where the buffer is pinned and there is a GPU, its chunks are copied there and checked
-  with `isfinite` (the copy engine reads pinned memory at tens of GB/s; no host temporaries). Elsewhere
-  one sum decides: a non-finite element makes the sum non-finite, so a finite sum proves there is none;
-  only a non-finite sum (an overflow, or finite values summing past fp32's range) pays for the exact
-  chunked check. Same decision as stock's either way. The sum accumulates into fp32, chunk by chunk:
-  the buffer is fp16 under fp16 training, and an fp16 sum of 177M gradients is past 65504 on every step
-  (measured: the exact check then ran every step, 176 ms).
+  temporary. But stage 3 has already taken each parameter's gradient norm on the device when it copied
+  that gradient into the buffer, and a norm is finite exactly when its elements are (fp16 values can't
+  square past fp32's range; an fp32 norm that did overflow makes stock skip the step anyway, at its
+  norm check). So regions whose norm was taken from what they hold now are decided from their norms;
+  the rest (a gradient left from an earlier step, a norm replaced since) are read. Reading: where the
+  buffer is pinned and there is a GPU, chunks are copied there and checked with `isfinite`; elsewhere
+  one sum decides: a finite sum proves there is no inf/NaN; only a non-finite sum (an overflow, or
+  finite values summing past fp32's range) pays for the exact chunked check. The sum accumulates into
+  fp32, chunk by chunk: the buffer is fp16 under fp16 training, and an fp16 sum of 177M gradients is
+  past 65504 on every step (measured: the exact check then ran every step, 176 ms).
 - persistent gather: after each applied step stage 3 re-gathers the persistent parameters (biases,
   norms) with one collective per parameter (194 on GPT-2 medium). Here one all-gather of their
   concatenated partitions, split into each parameter's own buffer in DeepSpeed's rank-major layout.
@@ -137,6 +140,11 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     if overflow_check and hasattr(opt, "grad_partitions_flat_buffer"):
         opt.z3guard_stock_has_overflow = opt.has_overflow
         opt.has_overflow = types.MethodType(_has_overflow, opt)
+        if getattr(opt, "offload_optimizer", False) and hasattr(opt, "_offload_grad_partition_at_boundary"):
+            opt.z3guard_normed = {}  # ds_id -> (the norm tensor stage 3 stored, elements it covered)
+            opt.z3guard_overflow_reads = {"checks": 0, "elements_read": 0}  # what the checks still read
+            opt.z3guard_stock_offload_at_boundary = opt._offload_grad_partition_at_boundary
+            opt._offload_grad_partition_at_boundary = types.MethodType(_offload_at_boundary, opt)
         applied.append("overflow_check")
     if persistent_gather and _coalescable(list(getattr(opt, "persistent_parameters", []))):
         opt._post_step = types.MethodType(_post_step, opt)
@@ -155,7 +163,9 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 def remove(engine: Any) -> None:
     for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step",
-                 "z3guard_threads", "z3guard_stock_step", "z3guard_stock_has_overflow"):
+                 "_offload_grad_partition_at_boundary", "z3guard_threads", "z3guard_stock_step",
+                 "z3guard_stock_has_overflow", "z3guard_stock_offload_at_boundary", "z3guard_normed",
+                 "z3guard_overflow_reads"):
         engine.optimizer.__dict__.pop(name, None)
     fusedstep.remove(engine.optimizer)
 
@@ -221,7 +231,7 @@ def _has_overflow(self, partition_gradients: bool = True) -> bool:
     device = torch.device(get_accelerator().current_device_name())
     on = device if device.type != "cpu" and buffer.is_pinned() else None
     with get_accelerator().stream(self.reduce_and_partition_stream):
-        if any_nonfinite(buffer, on=on):
+        if _nonfinite_gradients(self, buffer, on):
             self.inf_or_nan_tracker.fill_(True)
         overflow_gpu = self.inf_or_nan_tracker.clone().to(get_accelerator().current_device_name()).to(torch.uint8)
         self.inf_or_nan_tracker.zero_()
@@ -230,3 +240,39 @@ def _has_overflow(self, partition_gradients: bool = True) -> bool:
     dist.all_reduce(overflow_gpu, op=dist.ReduceOp.MAX, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=overflow_gpu, op=dist.ReduceOp.MAX)
     return bool(overflow_gpu[0].item())
+
+
+def _offload_at_boundary(self, param, grad_buffer, *args) -> None:
+    # DeepSpeed 0.19's: takes the gradient's norm from `grad_buffer` (what the host region holds) and
+    # copies it on to the fp32 gradients. Noted: which norm object covers which region, and how much of it.
+    self.z3guard_stock_offload_at_boundary(param, grad_buffer, *args)
+    self.z3guard_normed[param.ds_id] = (self.norm_for_param_grads.get(self.get_param_id(param)), grad_buffer.numel())
+
+
+def _nonfinite_gradients(self, buffer: torch.Tensor, on: torch.device | None) -> bool:
+    """Whether the host gradient buffer holds an inf/NaN: from the norms where they cover a region, else
+    read (see the module's docstring)."""
+    regions = getattr(self, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", None)
+    normed = getattr(self, "z3guard_normed", None)
+    if regions is None or normed is None:
+        return any_nonfinite(buffer, on=on)
+    norms, unread, seen = [], [], 0
+    for group in self.fp16_groups:
+        for param in group:
+            region = regions[param.ds_id]
+            seen += region.numel()
+            norm = self.norm_for_param_grads.get(self.get_param_id(param))
+            noted = normed.get(param.ds_id)
+            if norm is not None and noted is not None and noted[0] is norm and noted[1] == region.numel():
+                norms.append(norm)
+            else:
+                unread.append(region)
+    reads = self.z3guard_overflow_reads
+    reads["checks"] += 1
+    if seen != buffer.numel():  # the regions are not the whole buffer as in 0.19: read it all
+        reads["elements_read"] += buffer.numel()
+        return any_nonfinite(buffer, on=on)
+    if norms and not bool(torch.isfinite(torch.stack([n.reshape(()) for n in norms])).all()):
+        return True
+    reads["elements_read"] += sum(region.numel() for region in unread)
+    return any(any_nonfinite(region, on=on) for region in unread if region.numel())
