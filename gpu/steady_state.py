@@ -40,6 +40,7 @@ def bit_identity(device: str, out: Path) -> list[dict]:
         diff = compare.first_job_difference(done, "stock", "z3guard")
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
                      "stock_skipped": stock["skipped"], "fast_paths": guarded["fast_paths"],
+                     "overflow_reads": guarded.get("overflow_reads"),
                      "first_difference": None if diff is None else str(diff)})
     return rows
 
