@@ -99,13 +99,16 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     count_invalidations = adapter.load().count_invalidations(engine)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, phases, skipped, tokens = [], {"forward": [], "backward": [], "step": []}, 0, 0
+    warmup_times = []
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
         dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         args, kw, target, tokens = models.batch(name, size, step, rank, device, dtype)
         if step == spec["warmup"] + 1 and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         took = timed_step(engine, args, kw, target, sync)
-        if step > spec["warmup"]:
+        if step <= spec["warmup"]:
+            warmup_times.append(sum(took))
+        else:
             times.append(sum(took))
             for key, seconds in zip(phases, took):
                 phases[key].append(seconds)
@@ -119,6 +122,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "tokens_per_s": tokens * world / statistics.median(times),
         "peak_gpu_mem_bytes": torch.cuda.max_memory_allocated() - baseline if device.type == "cuda" else None,
         "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
+        "phases_s": phases, "warmup_steps_s": warmup_times,  # every timed step's phases; the untimed steps
         "host_rss_bytes": psutil.Process().memory_info().rss, "host_rss_before_bytes": rss_before,
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # of the process
         "invalidations": count_invalidations(),
