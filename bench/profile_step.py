@@ -92,6 +92,7 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     stats = pstats.Stats(python, stream=text)
     stats.sort_stats("cumulative").print_stats(45)
     stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("tottime").print_stats("z3guard", 20)  # z3guard's own functions
     record = {"variant": variant, "offload": offload, "model": model, "steps": steps,
               "fast_paths": z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else [],
               "cprofile": text.getvalue(),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -163,8 +163,17 @@ class ZeroAdapter:
     def is_gathered(self, param: nn.Parameter) -> bool:
         return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
 
-    def module_params(self, module: nn.Module) -> Iterable[nn.Parameter]:
-        return iter_params(module, recurse=z3_leaf_module(module))
+    def module_params(self, module: nn.Module) -> dict[int, nn.Parameter]:
+        """What ZeRO-3 fetches for `module` (`iter_params(module, recurse=is_leaf)`), by id. Checked
+        before every fetch, so a plain module's set is read from its two dicts directly: the same set
+        as `named_parameters(recurse=False)` plus its external parameters, at a fraction of the cost."""
+        if z3_leaf_module(module):
+            return {id(p): p for p in iter_params(module, recurse=True)}
+        params = {id(p): p for p in module._parameters.values() if p is not None}
+        external = module.__dict__.get("_external_params")
+        if external:
+            params.update((id(p), p) for p in external.values())
+        return params
 
     def owns(self, module: nn.Module, param: nn.Parameter) -> bool:
         """True when `param` is already among what ZeRO-3 fetches for `module`."""

@@ -54,14 +54,14 @@ class TraceGuard:
 
     # -- TraceHooks ------------------------------------------------------------------------
     def on_trace_complete(self, modules: tuple[nn.Module, ...], params: tuple) -> None:
-        self.recorded.update({id(m): {id(p): p for p in self.adapter.module_params(m)} for m in modules})
+        self.recorded.update({id(m): self.adapter.module_params(m) for m in modules})
         self.cache.add(Trace(modules, params))
 
     def param_divergence(self, module: nn.Module) -> Divergence | None:
         recorded = self.recorded.get(id(module))
         if recorded is None:
             return None  # not in the trace: the order check reports it
-        now = {id(p): p for p in self.adapter.module_params(module)}
+        now = self.adapter.module_params(module)
         if now.keys() == recorded.keys():
             return None
         added = [p for k, p in now.items() if k not in recorded]
