@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 8, one device call on nvidia-h200-x2: offload_param + offload_optimizer, stock then z3guard,
-# twice, after a longer warm-up (b15's host took ~15 steps to reach its steady host step), with every
+# PAIRS times (default 2), after a longer warm-up (b15's host took ~15 steps to reach its steady host step), with every
 # step's phases recorded.
 #   bash gpu/warm.sh <call-name>
 set -u
@@ -8,9 +8,10 @@ call=${1:-call}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 . gpu/env.sh 0.19.8 || exit 1
+runs=""
+for _ in $(seq ${PAIRS:-2}); do runs="$runs --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer"; done
 python3 bench/run.py --device cuda --warmup ${WARMUP:-12} --steps ${STEPS:-20} --timeout 560 --out "$out/$call.json" \
-  --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer \
-  --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer 2>&1 | tail -10
+  $runs 2>&1 | tail -12
 python3 - "$out/$call.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
