@@ -18,9 +18,13 @@
   finite values summing past fp32's range) pays for the exact chunked check. The sum accumulates into
   fp32, chunk by chunk: the buffer is fp16 under fp16 training, and an fp16 sum of 177M gradients is
   past 65504 on every step (measured: the exact check then ran every step, 176 ms).
-- persistent gather: after each applied step stage 3 re-gathers the persistent parameters (biases,
-  norms) with one collective per parameter (194 on GPT-2 medium). Here one all-gather of their
-  concatenated partitions, split into each parameter's own buffer in DeepSpeed's rank-major layout.
+- persistent gather: at each step's start stage 3 releases every parameter, the persistent ones
+  (biases, norms: 194 on GPT-2 medium) included, one by one; after an applied step it gathers those
+  again with one collective per parameter. Here the persistent parameters stay gathered through the
+  step (the step changes only their partitions; a skipped step changes nothing), and after an applied
+  step one all-gather of their concatenated partitions refreshes them in place, in DeepSpeed's
+  rank-major layout. Outside `step` (checkpointing, `empty_partition_cache`) everything is released
+  as in stock.
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -94,8 +98,9 @@ def _sum_is_finite(t: torch.Tensor) -> bool:
 
 
 def coalesced_gather_(params: list, device: torch.device) -> None:
-    """Gather partitioned parameters of one process group with one collective; same bytes, same layout
-    (each parameter's own buffer: rank 0's partition, rank 1's, ..., cut to its size) as stock's."""
+    """Gather parameters of one process group from their partitions with one collective; same bytes,
+    same layout (rank 0's partition, rank 1's, ..., cut to its size) as stock's. A parameter that is
+    gathered already is refreshed in place."""
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -107,8 +112,11 @@ def coalesced_gather_(params: list, device: torch.device) -> None:
     dist.all_gather_into_tensor(gathered, local, group=group)
     by_rank, offset = gathered.view(world, -1), 0
     for p, n in zip(params, sizes):
-        p.data = by_rank[:, offset:offset + n].reshape(-1).narrow(0, 0, p.ds_numel).view(p.ds_shape)
-        p.ds_status = ZeroParamStatus.AVAILABLE
+        if p.ds_status == ZeroParamStatus.AVAILABLE and p.data.shape == p.ds_shape:
+            p.data.view(-1).copy_(by_rank[:, offset:offset + n].reshape(-1)[:p.ds_numel])
+        else:
+            p.data = by_rank[:, offset:offset + n].reshape(-1).narrow(0, 0, p.ds_numel).view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
         offset += n
 
 
@@ -148,6 +156,9 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         applied.append("overflow_check")
     if persistent_gather and _coalescable(list(getattr(opt, "persistent_parameters", []))):
         opt._post_step = types.MethodType(_post_step, opt)
+        if _is_plain_stage3(opt):  # its step is the one whose order of calls was checked
+            opt.z3guard_stock_partition_all = opt._partition_all_parameters
+            opt._partition_all_parameters = types.MethodType(_partition_all_parameters, opt)
         applied.append("persistent_gather")
     n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0
     if n:
@@ -155,7 +166,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
         opt.z3guard_threads = (ThreadpoolController(), n)
         applied.append(f"host_threads={n}")
-    if n or "fused_step" in applied:
+    if n or "fused_step" in applied or "persistent_gather" in applied:
         opt.z3guard_stock_step = opt.step
         opt.step = types.MethodType(_step, opt)
     return applied
@@ -163,6 +174,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 def remove(engine: Any) -> None:
     for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step",
+                 "_partition_all_parameters", "z3guard_stock_partition_all", "z3guard_in_step",
                  "_offload_grad_partition_at_boundary", "z3guard_threads", "z3guard_stock_step",
                  "z3guard_stock_has_overflow", "z3guard_stock_offload_at_boundary", "z3guard_normed",
                  "z3guard_overflow_reads"):
@@ -177,9 +189,16 @@ def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
                                                                           DeepSpeedCPUAdam)
 
 
+def _is_plain_stage3(opt: Any) -> bool:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return type(opt) is DeepSpeedZeroOptimizer_Stage3 and hasattr(opt, "parameter_offload")
+
+
 def _step(self, *args, **kwargs):
     """DeepSpeed's step, with the host threads (if set) and nothing of the fused step left behind
     (what a step that raised half-way noted must not reach a later write-back)."""
+    self.z3guard_in_step = True
     try:
         if getattr(self, "z3guard_threads", None) is None:
             return self.z3guard_stock_step(*args, **kwargs)
@@ -187,6 +206,7 @@ def _step(self, *args, **kwargs):
         with controller.limit(limits=n, user_api="openmp"):  # restored on exit
             return self.z3guard_stock_step(*args, **kwargs)
     finally:
+        self.z3guard_in_step = False
         getattr(self, "z3guard_fused", {}).clear()
 
 
@@ -201,18 +221,42 @@ def _reassign_or_swap_out(self, sub_group_id: int) -> None:
         self._partitioned_params_swap_out(sub_group_id)
 
 
+def _partition_all_parameters(self) -> None:
+    # DeepSpeed 0.19's, but inside `step` the persistent parameters that are gathered stay so.
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    if not getattr(self, "z3guard_in_step", False):
+        return self.z3guard_stock_partition_all()
+    offload = self.parameter_offload
+    coordinator = offload.get_param_coordinator()
+    inflight = getattr(coordinator, "_PartitionedParameterCoordinator__inflight_param_registry")
+    release = getattr(coordinator, "_PartitionedParameterCoordinator__release_param")
+    for param in iter_params(offload.module, recurse=True):
+        if param in inflight:
+            inflight.pop(param).wait()
+        param.ds_active_sub_modules.clear()
+        if not (param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE):
+            release(param)
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                raise RuntimeError(f"{param.ds_summary()} expected to be released")
+
+
 def _post_step(self, timer_names) -> None:
-    # DeepSpeed 0.19's `_post_step`, with the persistent parameters gathered by one collective.
+    # DeepSpeed 0.19's `_post_step`, with the persistent parameters gathered (or refreshed, where they
+    # stayed gathered through the step) by one collective.
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     if self.offload_optimizer:
         self.reset_cpu_buffers()
-    partitioned = [p for p in self.persistent_parameters if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    partitioned = [p for p in self.persistent_parameters if p.ds_status != ZeroParamStatus.INFLIGHT]
     if _coalescable(partitioned):
         from deepspeed.accelerator import get_accelerator
 
         coalesced_gather_(partitioned, torch.device(get_accelerator().current_device_name()))
     elif self.persistent_parameters:
+        for param in [p for p in self.persistent_parameters if p.ds_status == ZeroParamStatus.AVAILABLE]:
+            param.partition()  # kept through the step, stale now: DeepSpeed's gather skips gathered ones
         self.persistent_parameters[0].all_gather(self.persistent_parameters)
     if self.swap_optimizer:
         self.optimizer_swapper.log_timers()
