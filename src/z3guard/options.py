@@ -23,7 +23,8 @@ class GuardOptions:
     thread. The same decision every time; off only to compare with stock."""
 
     fast_persistent_gather: bool = True
-    """After each applied step, gather all persistent parameters (biases, norms) with one collective
+    """Keep persistent parameters (biases, norms) gathered through the optimizer step instead of
+    releasing them one by one at its start, and refresh them after an applied step with one collective
     instead of one per parameter. Same bytes; off only to compare with stock."""
 
     fast_fused_step: bool = True
