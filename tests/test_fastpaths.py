@@ -72,6 +72,7 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     assert stock["skipped"] == fast["skipped"] == skips
     # every gradient arrived on every step: the norms decided each check, no buffer was read
     assert fast["overflow_reads"] == {"checks": 52, "elements_read": 0}
+    assert fast["persistent_kept"] > 0 and plain["persistent_kept"] is None  # kept gathered through the step
     for name in ("fast", "plain"):  # losses, weights, both ranks' optimizer states
         diff = compare.first_job_difference(done, "stock", name)
         assert diff is None, f"{name}: {diff}"

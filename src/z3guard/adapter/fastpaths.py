@@ -172,13 +172,15 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     return applied
 
 
+PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step",
+           "_partition_all_parameters", "_offload_grad_partition_at_boundary")
+
+
 def remove(engine: Any) -> None:
-    for name in ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step",
-                 "_partition_all_parameters", "z3guard_stock_partition_all", "z3guard_in_step",
-                 "_offload_grad_partition_at_boundary", "z3guard_threads", "z3guard_stock_step",
-                 "z3guard_stock_has_overflow", "z3guard_stock_offload_at_boundary", "z3guard_normed",
-                 "z3guard_overflow_reads"):
-        engine.optimizer.__dict__.pop(name, None)
+    """Drop every method set on the optimizer instance (the class's come back) and every z3guard_ note."""
+    opt = engine.optimizer
+    for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
+        del opt.__dict__[name]
     fusedstep.remove(engine.optimizer)
 
 
@@ -232,14 +234,18 @@ def _partition_all_parameters(self) -> None:
     coordinator = offload.get_param_coordinator()
     inflight = getattr(coordinator, "_PartitionedParameterCoordinator__inflight_param_registry")
     release = getattr(coordinator, "_PartitionedParameterCoordinator__release_param")
+    kept = 0
     for param in iter_params(offload.module, recurse=True):
         if param in inflight:
             inflight.pop(param).wait()
         param.ds_active_sub_modules.clear()
-        if not (param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE):
+        if param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE:
+            kept += 1
+        else:
             release(param)
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 raise RuntimeError(f"{param.ds_summary()} expected to be released")
+    self.z3guard_kept_gathered = kept  # persistent parameters this step did not release
 
 
 def _post_step(self, timer_names) -> None:

@@ -196,6 +196,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["restored"] = g.trace.restored
         result["fast_paths"] = g.fast_paths
         result["overflow_reads"] = dict(getattr(engine.optimizer, "z3guard_overflow_reads", {}))
+        result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
