@@ -6,7 +6,8 @@ import functools
 import pytest
 import torch
 
-from z3guard.adapter.fastpaths import any_nonfinite, chunked_cast_copy_
+from z3guard.adapter.fastpaths import chunked_cast_copy_
+from z3guard.adapter.overflow import any_nonfinite, nonfinite_gradients
 from z3guard.adapter.hostthreads import launcher_left_one_thread
 from z3guard.scenarios import compare
 from z3guard.scenarios.job import Job
@@ -73,13 +74,16 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     # every gradient arrived on every step: the norms decided each check, no buffer was read
     assert fast["overflow_reads"] == {"checks": 52, "elements_read": 0}
     assert fast["persistent_kept"] > 0 and plain["persistent_kept"] is None  # kept gathered through the step
+    # ... and released after each skipped step, where stock leaves them: the next forward gathers them
+    # again (z3guard's restore counts them) exactly as often as with the fast paths off
+    assert fast["restored"] == plain["restored"] > 0
     for name in ("fast", "plain"):  # losses, weights, both ranks' optimizer states
         diff = compare.first_job_difference(done, "stock", name)
         assert diff is None, f"{name}: {diff}"
 
 
 def _stage3_like(norms: dict, noted: dict, sizes=(4, 6)):
-    """What `_nonfinite_gradients` reads of stage 3: the flat host buffer, its per-parameter regions, the
+    """What `nonfinite_gradients` reads of stage 3: the flat host buffer, its per-parameter regions, the
     norms stage 3 took and the ones the fast path saw it take."""
     from types import SimpleNamespace
 
@@ -94,13 +98,11 @@ def _stage3_like(norms: dict, noted: dict, sizes=(4, 6)):
 
 
 def test_overflow_check_reads_the_regions_no_current_norm_covers():
-    from z3guard.adapter.fastpaths import _nonfinite_gradients
-
     one, two = torch.tensor(1.0), torch.tensor(2.0)
     opt, buffer = _stage3_like({0: one, 1: two}, {0: (one, 4), 1: (two, 6)})
-    assert _nonfinite_gradients(opt, buffer, None) is False and opt.z3guard_overflow_reads["elements_read"] == 0
+    assert nonfinite_gradients(opt, buffer, None) is False and opt.z3guard_overflow_reads["elements_read"] == 0
     opt, buffer = _stage3_like({0: one, 1: torch.tensor(float("inf"))}, {0: (one, 4), 1: (two, 6)})
-    assert _nonfinite_gradients(opt, buffer, None) is False  # norm 1 replaced since (not the one noted): read
+    assert nonfinite_gradients(opt, buffer, None) is False  # norm 1 replaced since (not the one noted): read
     assert opt.z3guard_overflow_reads["elements_read"] == 6
     for norms, noted in [({0: one, 1: two}, {0: (one, 4), 1: (two, 6)}),  # both covered, but region 1 ...
                          ({0: one}, {0: (one, 4)}),  # ... no gradient this step, left from an earlier one
@@ -108,11 +110,25 @@ def test_overflow_check_reads_the_regions_no_current_norm_covers():
         opt, buffer = _stage3_like(norms, noted)
         buffer[7] = float("nan")
         covered = len(noted) == 2 and noted[1][1] == 6
-        assert _nonfinite_gradients(opt, buffer, None) is (not covered)  # read only where not covered
+        assert nonfinite_gradients(opt, buffer, None) is (not covered)  # read only where not covered
     opt, buffer = _stage3_like({0: one, 1: torch.tensor(float("nan"))}, {0: (one, 4)})
     opt.z3guard_normed[1] = (opt.norm_for_param_grads[1], 6)
-    assert _nonfinite_gradients(opt, buffer, None) is True  # a non-finite norm: an overflow, nothing read
+    assert nonfinite_gradients(opt, buffer, None) is True  # a non-finite norm: an overflow, nothing read
     assert opt.z3guard_overflow_reads["elements_read"] == 0
+
+
+def test_a_region_written_again_loses_its_norm_note():
+    """A micro-step of accumulation writes a region without taking its norm: the note must not outlive it."""
+    from types import SimpleNamespace
+
+    from z3guard.adapter.overflow import _partition_grads
+
+    written = []
+    params = [SimpleNamespace(ds_id=i) for i in range(3)]
+    opt = SimpleNamespace(z3guard_normed={0: ("n0", 4), 1: ("n1", 4), 2: ("n2", 4)},
+                          z3guard_stock_partition_grads=lambda ps, gs: written.extend(p.ds_id for p in ps))
+    _partition_grads(opt, params[:2], [None, None])
+    assert written == [0, 1] and opt.z3guard_normed == {2: ("n2", 4)}
 
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "OMP_NUM_THREADS": "1"}
