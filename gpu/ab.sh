@@ -3,11 +3,7 @@
 # offload_param + offload_optimizer (forward / backward / step split), each fast path left out in turn,
 # in one process group; then offload_param alone, stock vs z3guard, a process group each (peak host memory).
 #   bash gpu/ab.sh <call-name>
-set -u
-call=${1:-call}
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-. gpu/env.sh 0.19.8 || exit 1
+. gpu/call.sh "$@"
 python3 bench/run.py --device cuda --warmup 3 --steps ${STEPS:-20} --timeout 560 --out "$out/$call-ab.json" \
   --run gpt2:z3guard-nofast:param+optimizer --run gpt2:z3guard-nothreads:param+optimizer \
   --run gpt2:z3guard-nogather:param+optimizer --run gpt2:z3guard:param+optimizer \

@@ -4,11 +4,7 @@
 # offload_param + offload_optimizer (z3guard >= 4 x faster than stock) and offload_param alone
 # (z3guard <= 1.15 x the no-offload stock step).
 #   bash gpu/pairs.sh <call-name>
-set -u
-call=${1:-call}
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-. gpu/env.sh 0.19.8 || exit 1
+. gpu/call.sh "$@"
 python3 bench/run.py --device cuda --warmup 3 --steps ${STEPS:-20} --timeout 520 --out "$out/$call.json" \
   --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer \
   --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer \

@@ -2,12 +2,8 @@
 # Issue 8, one device call on nvidia-h200-x2: where z3guard's offload_param + offload_optimizer step
 # spends its time with every fast path (phase timers, torch.profiler's top ops, cProfile's Python).
 #   bash gpu/profile.sh <call-name> [variant ...]
-set -u
-call=${1:-call}
+. gpu/call.sh "$@"
 shift
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-. gpu/env.sh 0.19.8 || exit 1
 variants=""
 for v in "${@:-z3guard}"; do variants="$variants --variants $v"; done
 Z3GUARD_PRINT_CPROFILE=1 python3 -m torch.distributed.run --standalone --nproc_per_node 2 bench/profile_step.py \

@@ -3,11 +3,7 @@
 # PAIRS times (default 2), after a longer warm-up (b15's host took ~15 steps to reach its steady host step), with every
 # step's phases recorded.
 #   bash gpu/warm.sh <call-name>
-set -u
-call=${1:-call}
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-. gpu/env.sh 0.19.8 || exit 1
+. gpu/call.sh "$@"
 runs=""
 for _ in $(seq ${PAIRS:-2}); do runs="$runs --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer"; done
 python3 bench/run.py --device cuda --warmup ${WARMUP:-12} --steps ${STEPS:-20} --timeout 560 --out "$out/$call.json" \
