@@ -77,8 +77,8 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     return applied
 
 
-PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "has_overflow", "step", "_post_step",
-           "_partition_all_parameters", "_offload_grad_partition_at_boundary", "partition_grads")
+PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
+           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED)
 
 
 def remove(engine: Any) -> None:
@@ -86,7 +86,6 @@ def remove(engine: Any) -> None:
     opt = engine.optimizer
     for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
         del opt.__dict__[name]
-    fusedstep.remove(engine.optimizer)
 
 
 def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:

@@ -58,18 +58,15 @@ def _is_lr_scheduler_counter(step: Any, adam: Any) -> bool:
     return getattr(step, "_wrapped_by_lr_sched", False) and getattr(step, "__wrapped__", None) is type(adam).step
 
 
+PATCHED = ("unscale_and_clip_grads", "_optimizer_step")  # set on the instance by apply
+
+
 def apply(opt: Any) -> None:
     opt.z3guard_fused = {}  # sub-group -> "scale" (its factor, pending) or "written"
     opt.z3guard_stock_unscale = opt.unscale_and_clip_grads
     opt.z3guard_stock_optimizer_step = opt._optimizer_step
     opt.unscale_and_clip_grads = types.MethodType(_unscale_and_clip_grads, opt)
     opt._optimizer_step = types.MethodType(_optimizer_step, opt)
-
-
-def remove(opt: Any) -> None:
-    for name in ("unscale_and_clip_grads", "_optimizer_step", "z3guard_fused", "z3guard_stock_unscale",
-                 "z3guard_stock_optimizer_step"):
-        opt.__dict__.pop(name, None)
 
 
 def take_written(opt: Any, sub_group_id: int) -> bool:

@@ -28,6 +28,9 @@ CHUNK_NUMEL = 1 << 24  # 16M elements per chunk read
 SUM_CHUNK_NUMEL = 1 << 22  # fp32 temporary of 16 MiB: under glibc's mmap ceiling, so reused, not faulted in
 
 
+PATCHED = ("has_overflow", "_offload_grad_partition_at_boundary", "partition_grads")  # set by apply
+
+
 def apply(opt: Any, trust_norms: bool) -> None:
     """Replace `has_overflow`; with `trust_norms`, note the norms stage 3 takes so the check can use them."""
     opt.z3guard_stock_has_overflow = opt.has_overflow

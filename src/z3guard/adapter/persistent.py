@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 
+PATCHED = ("_post_step", "_partition_all_parameters")  # set by apply
+
+
 def apply(opt: Any) -> None:
     """On plain stage 3 (whose step's order of calls this follows); `step` must set `z3guard_in_step` and
     call `after_step` at its end (fastpaths._step)."""
@@ -65,14 +68,17 @@ def coalesced_gather_(params: list, device: torch.device) -> None:
 
 def after_step(opt: Any) -> None:
     """Where the step kept persistent parameters but did not refresh them: release them, as stock left them."""
-    if not getattr(opt, "z3guard_kept_gathered", 0) or getattr(opt, "z3guard_refreshed", True):
-        return
+    if not getattr(opt, "z3guard_refreshed", True):
+        _release_gathered(opt.persistent_parameters)
+        opt.z3guard_refreshed = True
+
+
+def _release_gathered(params: list) -> None:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    for param in opt.persistent_parameters:
+    for param in params:
         if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
             param.partition()
-    opt.z3guard_refreshed = True
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -111,14 +117,13 @@ def _post_step(self, timer_names) -> None:
 
     if self.offload_optimizer:
         self.reset_cpu_buffers()
-    partitioned = [p for p in self.persistent_parameters if p.ds_status != ZeroParamStatus.INFLIGHT]
-    if coalescable(partitioned):
+    params = [p for p in self.persistent_parameters if p.ds_status != ZeroParamStatus.INFLIGHT]
+    if coalescable(params):
         from deepspeed.accelerator import get_accelerator
 
-        coalesced_gather_(partitioned, torch.device(get_accelerator().current_device_name()))
+        coalesced_gather_(params, torch.device(get_accelerator().current_device_name()))
     elif self.persistent_parameters:
-        for param in [p for p in self.persistent_parameters if p.ds_status == ZeroParamStatus.AVAILABLE]:
-            param.partition()  # kept through the step, stale now: DeepSpeed's gather skips gathered ones
+        _release_gathered(self.persistent_parameters)  # kept, stale now: DeepSpeed's gather skips gathered ones
         self.persistent_parameters[0].all_gather(self.persistent_parameters)
     self.z3guard_refreshed = True
     if self.swap_optimizer:
