@@ -8,6 +8,8 @@
   the same IEEE rounding on either side, so the bytes are identical.
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
+- staged fetch: a bucket's pinned partitions copied to the device without a host wait per parameter
+  (stagedfetch.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, overflow, persistent
+from . import fusedstep, overflow, persistent, stagedfetch
 from .hostthreads import host_threads
 
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
@@ -48,7 +50,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False, fused_step: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False, staged_fetch: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
@@ -65,25 +67,30 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     if persistent_gather and plain and persistent.coalescable(list(opt.persistent_parameters)):
         persistent.apply(opt)
         applied.append("persistent_gather")
+    if staged_fetch and plain and _fetches_pinned_partitions(opt):
+        stagedfetch.apply(opt, opt.parameter_offload.get_param_coordinator())
+        applied.append("staged_fetch")
     n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0
     if n:
         from threadpoolctl import ThreadpoolController
 
         opt.z3guard_threads = (ThreadpoolController(), n)
         applied.append(f"host_threads={n}")
-    if n or "fused_step" in applied or "persistent_gather" in applied:
+    if n or {"fused_step", "persistent_gather", "staged_fetch"} & set(applied):
         opt.z3guard_stock_step = opt.step
         opt.step = types.MethodType(_step, opt)
     return applied
 
 
 PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
-           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED)
+           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *stagedfetch.PATCHED)
 
 
 def remove(engine: Any) -> None:
     """Drop every method set on the optimizer instance (the class's come back) and every z3guard_ note."""
     opt = engine.optimizer
+    if getattr(opt, "z3guard_coordinator", None) is not None:
+        stagedfetch.remove(opt.z3guard_coordinator)
     for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
         del opt.__dict__[name]
 
@@ -95,6 +102,13 @@ def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
                                                                           DeepSpeedCPUAdam)
 
 
+def _fetches_pinned_partitions(opt: Any) -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    params = [p for group in opt.fp16_groups for p in group]
+    return get_accelerator().device_name() == "cuda" and any(stagedfetch.stageable(p) for p in params)
+
+
 def _is_plain_stage3(opt: Any) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -104,7 +118,10 @@ def _is_plain_stage3(opt: Any) -> bool:
 def _step(self, *args, **kwargs):
     """DeepSpeed's step, with the host threads (if set), and at its end nothing of the fused step left
     behind (what a step that raised half-way noted must not reach a later write-back) and persistent
-    parameters it kept but did not refresh released (persistent.after_step)."""
+    parameters it kept but did not refresh released (persistent.after_step). Before it, the staged
+    fetches' copies have read the host partitions the step writes."""
+    if getattr(self, "z3guard_coordinator", None) is not None:
+        stagedfetch.wait_for_copies(self.z3guard_coordinator)
     self.z3guard_in_step = True
     try:
         if getattr(self, "z3guard_threads", None) is None:
