@@ -28,18 +28,24 @@ PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both,
 }
 
 
-def bit_identity(device: str, out: Path) -> list[dict]:
+def bit_identity(device: str, out: Path, options: dict | None = None, only: str = "",
+                 control: bool = False) -> list[dict]:
+    """`options`: GuardOptions fields of the z3guard run; `only`: the pairs whose name contains it;
+    `control`: stock against stock (is the stock run itself repeatable here?)."""
     rows = []
     for i, (name, config) in enumerate(PAIRS.items()):
+        if only not in name:
+            continue
         common = dict(steps=52, skip_at=SKIPS, config=config)
-        done = run_jobs([Job("stock", **common), Job("z3guard", guard=True, **common)], out / f"pair{i}", device)
+        other = Job("z3guard", **common) if control else Job("z3guard", guard=True, options=options or {}, **common)
+        done = run_jobs([Job("stock", **common), other], out / f"pair{i}", device)
         if done.returncode != 0:
             rows.append({"run": name, "error": done.log[-3000:]})
             continue
         stock, guarded = done.result("stock"), done.result("z3guard")
         diff = compare.first_job_difference(done, "stock", "z3guard")
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
-                     "stock_skipped": stock["skipped"], "fast_paths": guarded["fast_paths"],
+                     "stock_skipped": stock["skipped"], "fast_paths": guarded.get("fast_paths", []),
                      "overflow_reads": guarded.get("overflow_reads"),
                      "first_difference": None if diff is None else str(diff)})
     return rows
@@ -55,10 +61,13 @@ def memory(device: str, out: Path, steps: int) -> dict:
 
 
 def main(device: str = "cuda", out: Path = Path("/tmp/steady"),
-         steps: int = typer.Option(1000, help="steps of the memory run; 0 skips it")) -> None:
+         steps: int = typer.Option(1000, help="steps of the memory run; 0 skips it"),
+         options: str = typer.Option("{}", help="GuardOptions fields of the z3guard runs, as JSON"),
+         only: str = typer.Option("", help="only the pairs whose name contains this"),
+         control: bool = typer.Option(False, help="stock against stock instead of z3guard")) -> None:
     console = Console(width=160)
     out.mkdir(parents=True, exist_ok=True)
-    rows = bit_identity(device, out)
+    rows = bit_identity(device, out, json.loads(options), only, control)
     mem = memory(device, out, steps) if steps else {}
     t = Table(title=f"fast paths vs stock, 52 steps, skipped {SKIPS} ({device})")
     for col in ("run", "fast paths", "skipped equal", "first difference"):
