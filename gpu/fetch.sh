@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8, one device call on nvidia-h200-x2, after the staged fetch (adapter/stagedfetch.py): GPU
-# bit-identity of every fast path (52 steps, 5 skipped), then offload_param + offload_optimizer with the
+# bit-identity of every fast path (52 steps, 5 skipped; b20 put a host wait per bucket back into the
+# staged fetch), then offload_param + offload_optimizer with the
 # staged fetch on and off beside stock (z3guard runs both before and after stock), then offload_param
 # against no-offload stock (the 1.15 x target).
 #   bash gpu/fetch.sh <call-name>

@@ -8,8 +8,8 @@
   the same IEEE rounding on either side, so the bytes are identical.
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
-- staged fetch: a bucket's pinned partitions copied to the device without a host wait per parameter
-  (stagedfetch.py).
+- staged fetch: a bucket's pinned partitions copied to the device with one host wait, not one per
+  parameter (stagedfetch.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -68,7 +68,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         persistent.apply(opt)
         applied.append("persistent_gather")
     if staged_fetch and plain and _fetches_pinned_partitions(opt):
-        stagedfetch.apply(opt, opt.parameter_offload.get_param_coordinator())
+        stagedfetch.apply(opt.parameter_offload.get_param_coordinator())
         applied.append("staged_fetch")
     n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0
     if n:
@@ -76,21 +76,21 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
         opt.z3guard_threads = (ThreadpoolController(), n)
         applied.append(f"host_threads={n}")
-    if n or {"fused_step", "persistent_gather", "staged_fetch"} & set(applied):
+    if n or "fused_step" in applied or "persistent_gather" in applied:
         opt.z3guard_stock_step = opt.step
         opt.step = types.MethodType(_step, opt)
     return applied
 
 
 PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
-           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *stagedfetch.PATCHED)
+           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED)
 
 
 def remove(engine: Any) -> None:
     """Drop every method set on the optimizer instance (the class's come back) and every z3guard_ note."""
     opt = engine.optimizer
-    if getattr(opt, "z3guard_coordinator", None) is not None:
-        stagedfetch.remove(opt.z3guard_coordinator)
+    if hasattr(opt, "parameter_offload"):
+        stagedfetch.remove(opt.parameter_offload.get_param_coordinator())
     for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
         del opt.__dict__[name]
 
@@ -118,10 +118,7 @@ def _is_plain_stage3(opt: Any) -> bool:
 def _step(self, *args, **kwargs):
     """DeepSpeed's step, with the host threads (if set), and at its end nothing of the fused step left
     behind (what a step that raised half-way noted must not reach a later write-back) and persistent
-    parameters it kept but did not refresh released (persistent.after_step). Before it, the staged
-    fetches' copies have read the host partitions the step writes."""
-    if getattr(self, "z3guard_coordinator", None) is not None:
-        stagedfetch.wait_for_copies(self.z3guard_coordinator)
+    parameters it kept but did not refresh released (persistent.after_step)."""
     self.z3guard_in_step = True
     try:
         if getattr(self, "z3guard_threads", None) is None:

@@ -1,15 +1,16 @@
-"""Fetching `offload_param` partitions without a host wait per parameter (DeepSpeed 0.19).
+"""Fetching `offload_param` partitions with one host wait per bucket, not one per parameter (DeepSpeed 0.19).
 
 To gather a bucket of parameters, stage 3 copies each one's host partition to the device with a
 blocking `.to(device)` inside the all-gather: one host synchronisation per parameter (~290 per forward
-and as many per backward on GPT-2 medium), each also waiting for what the all-gather stream still runs
-(the previous bucket's all-gather), so the host stops issuing the model's work while it waits. Here the
-bucket's pinned partitions are first copied to the device without blocking, on that same stream, and
-stock's gather runs on those copies (its `.to(device)` is then a no-op): the same bytes reach the same
-collective in the same order; only the host no longer waits.
+and as many per backward on GPT-2 medium), each also waiting for what the all-gather stream still runs.
+Here the bucket's pinned partitions are copied to the device first, without blocking, on that same
+stream, then the host waits once for them, and stock's gather runs on those copies (its `.to(device)`
+is then a no-op): the same bytes reach the same collective in the same order.
 
-The copies read pinned host memory after the call returns, so host code that writes partitions waits
-for the last of them first: the optimizer step (its write-back) and loading optimizer state.
+The one wait is kept on purpose. Without it (b19) the host ran ahead of the copies and GPU results
+stopped being bit-identical (first difference at step 5, 10 or 21 in three runs; b20: the same runs
+without this path were identical); the cause was not found, so this path waits where stock's last
+`.to` of the bucket waited.
 """
 from __future__ import annotations
 
@@ -19,45 +20,31 @@ from typing import Any
 import torch
 
 ALL_GATHER = "_PartitionedParameterCoordinator__all_gather_params_"  # set on the coordinator by apply
-PATCHED = ("load_state_dict",)  # set on the optimizer by apply
+PATCHED: tuple[str, ...] = ()  # nothing is set on the optimizer
 
 
 def stageable(param: Any) -> bool:
     """A plain partition in pinned host memory, gathered from other ranks (with one rank, stock hands out
     the copy itself as the parameter): not swapped to NVMe, not quantized, no hpZ copy."""
     t = param.ds_tensor
-    return (t is not None and t.device.type == "cpu" and getattr(param, "ds_zero_partition_world_size", 1) > 1 and getattr(param, "ds_secondary_tensor", None) is None
-            and not hasattr(t, "ds_quant_scale") and getattr(t, "final_location", None) != "nvme"
-            and t.is_pinned())
+    return (t is not None and t.device.type == "cpu" and getattr(param, "ds_zero_partition_world_size", 1) > 1
+            and getattr(param, "ds_secondary_tensor", None) is None and not hasattr(t, "ds_quant_scale")
+            and getattr(t, "final_location", None) != "nvme" and t.is_pinned())
 
 
-def apply(opt: Any, coordinator: Any) -> None:
+def apply(coordinator: Any) -> None:
     coordinator.z3guard_stock_all_gather = getattr(coordinator, ALL_GATHER)
-    coordinator.z3guard_staged = None  # CUDA event after the last staged copies
     setattr(coordinator, ALL_GATHER, types.MethodType(_all_gather_params_, coordinator))
-    opt.z3guard_coordinator = coordinator
-    opt.z3guard_stock_load_state_dict = opt.load_state_dict
-    opt.load_state_dict = types.MethodType(_load_state_dict, opt)
 
 
 def remove(coordinator: Any) -> None:
-    wait_for_copies(coordinator)
-    for name in [n for n in vars(coordinator) if n == ALL_GATHER or n.startswith("z3guard_staged")
-                 or n == "z3guard_stock_all_gather"]:
-        del coordinator.__dict__[name]
-
-
-def wait_for_copies(coordinator: Any) -> None:
-    """Block until the staged copies have read their host partitions (before anything writes them)."""
-    event = getattr(coordinator, "z3guard_staged", None)
-    if event is not None:
-        event.synchronize()
-        coordinator.z3guard_staged = None
+    for name in (ALL_GATHER, "z3guard_stock_all_gather"):
+        coordinator.__dict__.pop(name, None)
 
 
 def stage_(params: list, stream: torch.cuda.Stream, device: torch.device) -> list[tuple[Any, torch.Tensor]]:
-    """Point each parameter's partition at a device copy made on `stream` without blocking; returns the
-    host tensors to point them back at. One device buffer per dtype, as large as the bucket's partitions
+    """Point each parameter's partition at a device copy made on `stream`, waiting once for all of them;
+    returns (parameter, host tensor) pairs to point them back at. One device buffer per dtype, as large as the bucket's partitions
     (what stock's per-parameter `.to(device)` allocates, too)."""
     by_dtype: dict[torch.dtype, list] = {}
     for p in params:
@@ -74,6 +61,7 @@ def stage_(params: list, stream: torch.cuda.Stream, device: torch.device) -> lis
                 hosts.append((p, host))
                 p.ds_tensor.data = copy
                 offset += host.numel()
+        stream.synchronize()  # the host partitions are read: anything may write them again
     return hosts
 
 
@@ -93,11 +81,3 @@ def _all_gather_params_(self, params: Any, forward: bool, quantize: bool = False
     finally:
         for p, host in hosts:
             p.ds_tensor.data = host
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.z3guard_staged = event
-
-
-def _load_state_dict(self, *args, **kwargs):
-    wait_for_copies(self.z3guard_coordinator)
-    return self.z3guard_stock_load_state_dict(*args, **kwargs)
