@@ -67,7 +67,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     if persistent_gather and plain and persistent.coalescable(list(opt.persistent_parameters)):
         persistent.apply(opt)
         applied.append("persistent_gather")
-    if staged_fetch and plain and _fetches_pinned_partitions(opt):
+    if staged_fetch and plain and _fetches_pinned_partitions(opt) and not engine.zero_allgather_sequential():
         stagedfetch.apply(opt.parameter_offload.get_param_coordinator())
         applied.append("staged_fetch")
     n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0

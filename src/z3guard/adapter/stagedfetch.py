@@ -7,10 +7,12 @@ Here the bucket's pinned partitions are copied to the device first, without bloc
 stream, then the host waits once for them, and stock's gather runs on those copies (its `.to(device)`
 is then a no-op): the same bytes reach the same collective in the same order.
 
-The one wait is kept on purpose. Without it (b19) the host ran ahead of the copies and GPU results
-stopped being bit-identical (first difference at step 5, 10 or 21 in three runs; b20: the same runs
-without this path were identical); the cause was not found, so this path waits where stock's last
-`.to` of the bucket waited.
+Only buckets that stock gathers coalesced are staged (two or more parameters of one process group, no
+`stage3_allgather_sequential`): there the copies are read by a `torch.cat` on the same stream, before
+they are freed. A lone parameter goes to the collective itself, as the very tensor object `.to` returned,
+which here is the partition whose storage is pointed back at the host on return: the device copy was
+then freed while NCCL could still read it (GPU results differed at a random step, b19 and b21).
+The one host wait per bucket keeps every later host write to the partitions safe without more hooks.
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ def stageable(param: Any) -> bool:
     return (t is not None and t.device.type == "cpu" and getattr(param, "ds_zero_partition_world_size", 1) > 1
             and getattr(param, "ds_secondary_tensor", None) is None and not hasattr(t, "ds_quant_scale")
             and getattr(t, "final_location", None) != "nvme" and t.is_pinned())
+
+
+def coalesced(params: list) -> bool:
+    """Whether stock gathers these with one coalesced collective that reads the copies through a
+    `torch.cat` (see above), all of them stageable."""
+    return (len(params) > 1 and all(stageable(p) for p in params)
+            and all(p.ds_process_group is params[0].ds_process_group for p in params))
 
 
 def apply(coordinator: Any) -> None:
@@ -71,8 +80,8 @@ def _all_gather_params_(self, params: Any, forward: bool, quantize: bool = False
 
     from deepspeed.accelerator import get_accelerator
 
-    staged = [] if quantize else [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE and stageable(p)]
-    if not staged:
+    staged = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if quantize or not coalesced(staged):
         return self.z3guard_stock_all_gather(params, forward, quantize)
     stream = getattr(self, "_PartitionedParameterCoordinator__allgather_stream")
     hosts = stage_(staged, stream, torch.device(get_accelerator().current_device_name()))
