@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Issue 8, one device call on nvidia-h200-x2: does the staged fetch pay? offload_param, z3guard with it
+# and without it in ABBA ABBA order in one process group (b19-b22 gave -11 %, -7 %, +21 % from single pairs).
+#   bash gpu/staged_ab.sh <call-name>
+. gpu/call.sh "$@"
+runs=""
+for v in z3guard z3guard-nostaged z3guard-nostaged z3guard z3guard z3guard-nostaged z3guard-nostaged z3guard; do
+  runs="$runs --run gpt2:$v:param"
+done
+python3 bench/run.py --device cuda --warmup ${WARMUP:-8} --steps ${STEPS:-15} --timeout 330 --out "$out/$call.json" \
+  $runs 2>&1 | grep -E "z3guard" | grep -v "^bench:"
