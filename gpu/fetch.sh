@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at e8e726b and its parents (b19-b23); the staged fetch it measures was removed after b23 (no
+# measurable gain), so the z3guard-nostaged variant no longer exists: check out that commit to re-run.
 # Issue 8, one device call on nvidia-h200-x2, after the staged fetch (adapter/stagedfetch.py): GPU
 # bit-identity of every fast path (52 steps, 5 skipped; b19 without a host wait, b21 with one per bucket,
 # both not identical: a lone parameter's device copy was freed under NCCL; b22 stages coalesced buckets

@@ -65,7 +65,7 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-           "fast_fused_step": False, "fast_staged_fetch": False}
+           "fast_fused_step": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))

@@ -33,11 +33,6 @@ class GuardOptions:
     passes over all of it. Bit-identical (chunks on the Adam kernel's SIMD blocks). Steps aside, per
     step, where optimizer step hooks are registered; off only to compare with stock."""
 
-    fast_staged_fetch: bool = True
-    """With `offload_param` on GPUs: copy each fetched bucket's pinned partitions to the device with
-    one host wait before DeepSpeed's all-gather, instead of its blocking copy (a host wait) per
-    parameter. Same bytes in the same collective; off only to compare with stock."""
-
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

@@ -8,8 +8,6 @@
   the same IEEE rounding on either side, so the bytes are identical.
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
-- staged fetch: a bucket's pinned partitions copied to the device with one host wait, not one per
-  parameter (stagedfetch.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -24,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, overflow, persistent, stagedfetch
+from . import fusedstep, overflow, persistent
 from .hostthreads import host_threads
 
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
@@ -50,7 +48,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False, fused_step: bool = False, staged_fetch: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
@@ -67,9 +65,6 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     if persistent_gather and plain and persistent.coalescable(list(opt.persistent_parameters)):
         persistent.apply(opt)
         applied.append("persistent_gather")
-    if staged_fetch and plain and _fetches_pinned_partitions(opt) and not engine.zero_allgather_sequential():
-        stagedfetch.apply(opt.parameter_offload.get_param_coordinator())
-        applied.append("staged_fetch")
     n = host_threads(threads) if _host_optimizer_is_ds_cpu_adam(opt) else 0
     if n:
         from threadpoolctl import ThreadpoolController
@@ -89,8 +84,6 @@ PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
 def remove(engine: Any) -> None:
     """Drop every method set on the optimizer instance (the class's come back) and every z3guard_ note."""
     opt = engine.optimizer
-    if hasattr(opt, "parameter_offload"):
-        stagedfetch.remove(opt.parameter_offload.get_param_coordinator())
     for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
         del opt.__dict__[name]
 
@@ -100,13 +93,6 @@ def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
 
     return bool(getattr(opt, "offload_optimizer", False)) and isinstance(getattr(opt, "optimizer", None),
                                                                           DeepSpeedCPUAdam)
-
-
-def _fetches_pinned_partitions(opt: Any) -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    params = [p for group in opt.fp16_groups for p in group]
-    return get_accelerator().device_name() == "cuda" and any(stagedfetch.stageable(p) for p in params)
 
 
 def _is_plain_stage3(opt: Any) -> bool:
