@@ -4,9 +4,8 @@
 # Issue 8, one device call on nvidia-h200-x2, after the staged fetch (adapter/stagedfetch.py): GPU
 # bit-identity of every fast path (52 steps, 5 skipped; b19 without a host wait, b21 with one per bucket,
 # both not identical: a lone parameter's device copy was freed under NCCL; b22 stages coalesced buckets
-# only), then offload_param + offload_optimizer with the
-# staged fetch on and off beside stock (z3guard runs both before and after stock), then offload_param
-# against no-offload stock (the 1.15 x target).
+# only), then offload_param + offload_optimizer with the staged fetch on and off beside stock (z3guard
+# runs both before and after stock), then offload_param against no-offload stock (the 1.15 x target).
 #   bash gpu/fetch.sh <call-name>
 . gpu/call.sh "$@"
 bit_identity

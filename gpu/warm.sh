@@ -11,7 +11,7 @@ python3 bench/run.py --device cuda --warmup ${WARMUP:-12} --steps ${STEPS:-20} -
 python3 - "$out/$call.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-for r in (d if isinstance(d, list) else d["records"]):
+for r in d:
     print(r["variant"], "warm-up", [round(1e3 * x) for x in r.get("warmup_steps_s", [])])
     print(r["variant"], "host step", [round(1e3 * x) for x in r.get("phases_s", {}).get("step", [])])
 PY
