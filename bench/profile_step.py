@@ -2,6 +2,7 @@
 stock against z3guard, for one model and offload setting. Run on every rank by torchrun:
 
     torchrun --nproc_per_node 2 bench/profile_step.py --offload param+optimizer --device cuda
+    ... --timers-only --warmup 12 --steps 20    # the phase timers alone, no profiler inflating them
 
 Rank 0 prints the tables and writes bench/results/profile-<device>-<offload>.json.
 """
@@ -27,11 +28,14 @@ import models  # noqa: E402
 from worker import GUARD_OPTIONS, config, timed_step  # noqa: E402
 
 # Stage-3 optimizer methods timed one by one (DeepSpeed 0.19); missing ones are skipped.
-PHASES = ["has_overflow", "unscale_and_clip_grads", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters",
-          "_post_step", "_partition_all_parameters", "_pre_step", "partition_grads"]
+PHASES = ["optimizer.step", "has_overflow", "_overflow_check_and_loss_scale_update", "_get_norm_groups",
+          "_loss_scale_update_and_overflow_cleanup", "unscale_and_clip_grads", "_optimizer_step",
+          "_reassign_or_swap_out_partitioned_parameters", "_post_step", "_partition_all_parameters", "_pre_step",
+          "partition_grads"]
 
 
-def _timed(obj, name: str, totals: dict[str, list[float]], sync) -> None:
+def _timed(obj, key: str, totals: dict[str, list[float]], sync) -> None:
+    name = key.removeprefix("optimizer.")
     original = getattr(obj, name, None)
     if original is None:
         return
@@ -43,12 +47,13 @@ def _timed(obj, name: str, totals: dict[str, list[float]], sync) -> None:
             return original(*args, **kwargs)
         finally:
             sync()
-            totals.setdefault(name, []).append(time.perf_counter() - t0)
+            totals.setdefault(key, []).append(time.perf_counter() - t0)
 
     setattr(obj, name, timed)
 
 
-def profile(variant: str, offload: str, model: str, steps: int, device: torch.device, world: int) -> dict:
+def profile(variant: str, offload: str, model: str, steps: int, device: torch.device, world: int,
+            warmup: int = 3, timers_only: bool = False) -> dict:
     import deepspeed
 
     import z3guard
@@ -72,18 +77,27 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
         for name, took in zip(("forward", "backward", "step"), timed_step(engine, args, kw, target, sync)):
             phases.setdefault(name, []).append(took)
 
-    for step in range(1, 4):  # warm-up, untimed
+    for step in range(1, warmup + 1):  # warm-up, untimed
         one(step)
     phases.clear()
     for name in PHASES:
         _timed(engine.optimizer, name, phases, sync)
+    if timers_only:
+        for step in range(warmup + 1, warmup + 1 + steps):
+            one(step)
+        record = {"variant": variant, "offload": offload, "model": model, "steps": steps, "warmup": warmup,
+                  "fast_paths": z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else [],
+                  "phases_ms": _medians(phases, steps), "phases_s": phases}
+        engine.destroy()
+        z3guard.uninstall()
+        return record
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         for step in range(4, 4 + steps):
             one(step)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    phases_ms = {k: 1e3 * statistics.median(v) * (len(v) / steps) for k, v in phases.items()}
+    phases_ms = _medians(phases, steps)
     python = cProfile.Profile()  # the Python functions of an unprofiled-by-torch step, after the phase timers
     with python:
         for step in range(4 + steps, 4 + 2 * steps):
@@ -104,8 +118,15 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     return record
 
 
+def _medians(phases: dict[str, list[float]], steps: int) -> dict[str, float]:
+    """ms per step: the median call times the calls per step."""
+    return {k: 1e3 * statistics.median(v) * (len(v) / steps) for k, v in phases.items()}
+
+
 def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "cuda", steps: int = 3,
-         variants: list[str] = typer.Option(["stock", "z3guard"])) -> None:
+         variants: list[str] = typer.Option(["stock", "z3guard"]), warmup: int = 3,
+         timers_only: bool = typer.Option(False, help="phase timers only: no torch.profiler, no cProfile"),
+         out: Path = typer.Option(None)) -> None:
     import deepspeed
     import torch.distributed as dist
     from rich.console import Console
@@ -115,7 +136,7 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    records = [profile(v, offload, model, steps, dev, dist.get_world_size()) for v in variants]
+    records = [profile(v, offload, model, steps, dev, dist.get_world_size(), warmup, timers_only) for v in variants]
     if dist.get_rank() == 0:
         console = Console(width=150)
         t = Table(title=f"{model}, offload {offload}: ms per step (phase: median per call x calls per step)")
@@ -125,7 +146,7 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
         for name in ["forward", "backward", "step"] + PHASES:
             t.add_row(name, *(f"{r['phases_ms'][name]:.1f}" if name in r["phases_ms"] else "-" for r in records))
         console.print(t)
-        for r in records:
+        for r in [r for r in records if "top_ops" in r]:
             o = Table(title=f"{r['variant']} {r['fast_paths']}: top ops by self CPU time")
             for col in ("op", "self CPU ms/step", "calls/step"):
                 o.add_column(col)
@@ -134,7 +155,7 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
             console.print(o)
             if os.environ.get("Z3GUARD_PRINT_CPROFILE"):
                 print(r["cprofile"])
-        out = ROOT / "results" / f"profile-{device}-{offload.replace('+', '-')}.json"
+        out = out or ROOT / "results" / f"profile-{device}-{offload.replace('+', '-')}.json"
         out.write_text(json.dumps(records, indent=1))
     dist.barrier()
     dist.destroy_process_group()
