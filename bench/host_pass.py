@@ -5,9 +5,11 @@ Inside one training process of z3guard (offload_param + offload_optimizer), run 
     torchrun --nproc_per_node 2 bench/host_pass.py --device cuda
 
 1. timed steps with the pass split into its unscale, Adam and cast (summed over chunks);
-2. after them, the pass again outside the step on the same buffers, then on copies of them in ordinary
-   (unpinned) memory, both ranks at once; and what the process looks like (OpenMP runtimes and threads,
-   CPU affinity, which buffers are pinned, the unscale factor's device).
+2. a sweep of OpenMP threads x chunk size (`--sweep 16:1048576 --sweep 8:4194304 ...`), each for a few
+   steps, twice in turn (so drift hits all alike): the step phase and the pass inside it;
+3. after them, the pass again outside the step on the same buffers (both ranks at once, then rank 0
+   alone), then on copies of them in ordinary (unpinned) memory; and what the process looks like
+   (OpenMP runtimes and threads, CPU affinity, which buffers are pinned, the unscale factor's device).
 Rank 0 prints a table and writes bench/results/host-pass-<device>.json (every rank's figures).
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ def _split_pass(times: dict[str, float], seen: dict):
 
 
 def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int = 5,
+         sweep: list[str] = typer.Option([], help="threads:chunk_numel, run in turn"), sweep_steps: int = 5,
          out: Path = typer.Option(None)) -> None:
     import deepspeed
     import threadpoolctl
@@ -100,12 +103,13 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
             inside = dict(threads=len(os.listdir("/proc/self/task")))
     finally:
         fusedstep.fused_update = stock_update
+    swept = _sweep(opt, fusedstep, stock_update, sweep, sweep_steps, one, warmup + 1 + steps) if sweep else {}
     record = {"rank": rank, "fast_paths": z3guard.guard(engine).fast_paths, "step_ms": 1e3 * statistics.median(step_s),
               "in_step_ms": {k: 1e3 * statistics.median(d[k] for d in per_step) for k in ("unscale", "adam", "cast")},
-              **seen, "process_threads": inside["threads"], "affinity": len(os.sched_getaffinity(0)),
+              "sweep": swept, **seen, "process_threads": inside["threads"], "affinity": len(os.sched_getaffinity(0)),
               "openmp": [{k: i.get(k) for k in ("filepath", "num_threads", "user_api")}
                          for i in threadpoolctl.threadpool_info()]}
-    n = getattr(opt, "z3guard_threads", (None, 0))[1] or torch.get_num_threads()
+    n = (getattr(opt, "z3guard_threads", None) or (None, 0))[1] or torch.get_num_threads()
     record["threads"] = n
     fp32 = opt.fp32_partitioned_groups_flat[0]
     adam = opt.optimizer
@@ -116,14 +120,16 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
               {"step": state["step"], "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone()})
     factor = torch.tensor(1.0)  # CPU: leaves the gradients as they are
     with threadpoolctl.threadpool_limits(n, user_api="openmp"):
-        for name, (param, grad, low, st) in (("real buffers", real), ("unpinned copies", copies),
-                                             ("real buffers again", real)):
+        for name, (param, grad, low, st) in (("real buffers", real), ("real buffers, rank 0 alone", real),
+                                             ("unpinned copies", copies), ("real buffers again", real)):
             took = []
             for _ in range(repeats):
                 dist.barrier()  # both ranks at once, as in the step
                 t0 = time.perf_counter()
-                stock_update(adam, group, st, param, grad, low, factor)
+                if rank == 0 or "alone" not in name:
+                    stock_update(adam, group, st, param, grad, low, factor)
                 took.append(time.perf_counter() - t0)
+                dist.barrier()
             record[f"outside_ms: {name}"] = 1e3 * statistics.median(took)
     records = [None] * world
     dist.all_gather_object(records, record)
@@ -142,11 +148,49 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
             vals = [r["in_step_ms"][k.split(".")[1]] if k.startswith("in_step") else r.get(k) for r in records]
             t.add_row(k, *(f"{v:.1f}" if isinstance(v, float) else str(v) for v in vals))
         Console(width=150).print(t)
+        if records[0]["sweep"]:
+            w = Table(title="threads x chunk: ms per step (median over both turns; rank 0 / rank 1)")
+            for col in ("threads:chunk", "step phase", "fused pass"):
+                w.add_column(col, justify="right")
+            for combo in records[0]["sweep"]:
+                w.add_row(combo, *(" / ".join(f"{r['sweep'][combo][k]:.1f}" for r in records)
+                                   for k in ("step_ms", "pass_ms")))
+            Console(width=150).print(w)
         print(json.dumps(records[0]["openmp"], indent=1))
         out = out or ROOT / "results" / f"host-pass-{device}.json"
         out.write_text(json.dumps(records, indent=1))
     dist.barrier()
     engine.destroy()
+
+
+def _sweep(opt, fusedstep, stock_update, combos: list[str], steps: int, one, first_step: int) -> dict:
+    """Each threads:chunk combination for `steps` steps, all of them twice in turn; medians in ms."""
+    from threadpoolctl import ThreadpoolController
+
+    controller = getattr(opt, "z3guard_threads", (None, 0))[0] or ThreadpoolController()
+    saved = getattr(opt, "z3guard_threads", None)  # fastpaths._step reads it at every step
+    if "z3guard_stock_step" not in vars(opt):
+        raise SystemExit("--sweep needs z3guard's step wrapper (the fused step)")
+    took, step = {c: {"step": [], "pass": []} for c in combos}, first_step
+    try:
+        for _ in range(2):
+            for combo in combos:
+                threads, chunk = (int(x) for x in combo.split(":"))
+                opt.z3guard_threads = (controller, threads)
+
+                def timed_update(*args, _chunk=chunk, _into=took[combo]["pass"]):
+                    t0 = time.perf_counter()
+                    stock_update(*args, chunk_numel=_chunk)
+                    _into.append(time.perf_counter() - t0)
+
+                fusedstep.fused_update = timed_update
+                for _ in range(steps):
+                    took[combo]["step"].append(one(step))
+                    step += 1
+    finally:
+        opt.z3guard_threads, fusedstep.fused_update = saved, stock_update
+    return {c: {"step_ms": 1e3 * statistics.median(v["step"]), "pass_ms": 1e3 * statistics.median(v["pass"])}
+            for c, v in took.items()}
 
 
 if __name__ == "__main__":
