@@ -1,7 +1,7 @@
 """The host side of one offload_optimizer step, in isolation: DeepSpeed's three passes (unscale,
 DeepSpeedCPUAdam, cast into the fp16 partition) against z3guard's fused chunks, on one partition.
 
-    python bench/fused_step.py --numel 88700000 --threads 16     # GPT-2 medium's partition per rank
+    python bench/fused_step.py --numel 177411584 --threads 16    # GPT-2 medium's partition per rank (2 ranks)
 
 Alternates the two, prints the median ms of each and the ratio, writes bench/results/fused-step-<host>.json.
 """
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 
-def main(numel: int = 88_700_000, threads: int = 0, repeats: int = 7,
+def main(numel: int = 177_411_584, threads: int = 0, repeats: int = 7,
          chunks: list[int] = typer.Option([1 << 18, 1 << 20, 1 << 22]), out: Path = typer.Option(None)) -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from threadpoolctl import threadpool_limits

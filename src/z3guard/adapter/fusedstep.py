@@ -3,9 +3,10 @@ DeepSpeedCPUAdam).
 
 Stock stage 3 runs, per sub-group, three passes over the whole fp32 partition on the host: the unscale
 (`grad.mul_`), the Adam step, and the write-back cast into the fp16/bf16 partition. Each pass streams
-hundreds of MB through memory (GPT-2 medium: 88M elements per rank; measured on an H200 host, 21 ms,
-72 ms and 25 ms with 16 threads). Here the three run on one cache-sized chunk after another, so the
-unscale's output and Adam's updated parameters are read back from cache.
+hundreds of MB through memory (GPT-2 medium: 177M elements per rank). Here the three run on one
+cache-sized chunk after another, so the unscale's output and Adam's updated parameters are read back from
+cache. What remains is bound by the host's memory bandwidth, which the ranks share (docs/benchmarks.md,
+b24-b26).
 
 Bit-identical: the unscale and the cast are elementwise; Adam is elementwise too, and its AVX kernel
 rounds each call's range down to a block of SIMD_WIDTH x 8 elements, running the tail through narrower
