@@ -4,7 +4,8 @@
 
 1. bit-identity of the offload fast paths over 52 steps with 5 skipped steps, stock vs z3guard:
    offload_param only (the device-side write-back cast), and offload_param + offload_optimizer with
-   DeepSpeedCPUAdam (the overflow check and torchrun's one thread per rank replaced);
+   DeepSpeedCPUAdam (the overflow check and torchrun's one thread per rank replaced, the host step behind
+   the next forward), with reads right after `step` (GatheredParameters, an eval forward, a checkpoint);
 2. memory over 1,000 steps of the routed model (a new module order every step), z3guard.
 Prints a table and writes <out>/steady_state.json.
 """
@@ -22,6 +23,8 @@ from z3guard.scenarios.job import Job
 from z3guard.scenarios.launch import run_jobs
 
 SKIPS = [3, 10, 25, 26, 40]
+# Reads right after `step` returned (what the host step's overlap must wait for), in both runs of a pair.
+EVENTS = {"5": ["gathered"], "11": ["eval"], "26": ["gathered"], "33": ["eval", "gathered"]}
 PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both, fp16)
     "offload_param": {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
     "param+optimizer, DeepSpeedCPUAdam": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}},
@@ -36,9 +39,11 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
     for i, (name, config) in enumerate(PAIRS.items()):
         if only not in name:
             continue
-        common = dict(steps=52, skip_at=SKIPS, config=config)
-        other = Job("z3guard", **common) if control else Job("z3guard", guard=True, options=options or {}, **common)
-        done = run_jobs([Job("stock", **common), other], out / f"pair{i}", device)
+        common = dict(steps=52, skip_at=SKIPS, config=config, events=EVENTS)
+        saves = lambda job: dict(save_at=[20], save_dir=str(out / f"pair{i}" / f"ckpt-{job}"))  # noqa: E731
+        other = Job("z3guard", **common, **saves("z3guard")) if control else \
+            Job("z3guard", guard=True, options=options or {}, **common, **saves("z3guard"))
+        done = run_jobs([Job("stock", **common, **saves("stock")), other], out / f"pair{i}", device)
         if done.returncode != 0:
             rows.append({"run": name, "error": done.log[-3000:]})
             continue
@@ -46,7 +51,7 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
         diff = compare.first_job_difference(done, "stock", "z3guard")
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
                      "stock_skipped": stock["skipped"], "fast_paths": guarded.get("fast_paths", []),
-                     "overflow_reads": guarded.get("overflow_reads"),
+                     "overflow_reads": guarded.get("overflow_reads"), "host_step": guarded.get("host_step"),
                      "first_difference": None if diff is None else str(diff)})
     return rows
 
