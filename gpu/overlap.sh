@@ -4,9 +4,9 @@
 # an eval forward, a checkpoint), then offload_param + offload_optimizer in one process group:
 # stock, z3guard, z3guard-nooverlap, stock, z3guard-nooverlap, z3guard (ABBA for the overlap, two pairs
 # against stock), 12 warm-up + 20 timed steps each.
-#   bash gpu/overlap.sh <call-name>
+#   bash gpu/overlap.sh <call-name>        (BITS=0: without the bit-identity runs)
 . gpu/call.sh "$@"
-bit_identity
+[ "${BITS:-1}" = 0 ] || bit_identity
 python3 bench/run.py --device cuda --warmup ${WARMUP:-12} --steps ${STEPS:-20} --timeout 480 --out "$out/$call.json" \
   --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer --run gpt2:z3guard-nooverlap:param+optimizer \
   --run gpt2:stock:param+optimizer --run gpt2:z3guard-nooverlap:param+optimizer --run gpt2:z3guard:param+optimizer \

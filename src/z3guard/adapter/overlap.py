@@ -12,7 +12,8 @@ so the next forward starts once its first modules' parameters are ready and over
 Whatever else reads or writes what the pass writes waits for all of it: the next step, the backward's
 gradient writes, the optimizer's state_dict/load_state_dict, checkpoint loading, and DeepSpeed's
 fp32/gradient accessors (`deepspeed.utils.safe_get_full_fp32_param` & co.). The worker runs one range
-at a time with the step's OpenMP thread count, Adam through nogil.py so the forward's Python keeps the GIL.
+at a time with three quarters of the step's OpenMP threads (the rest of the cores run the forward), Adam
+through nogil.py so the forward's Python keeps the GIL.
 
 Bit-identical: the same chunks (fusedstep.Update) with the same inputs, each element once; only when.
 """
@@ -34,6 +35,7 @@ log = logging.getLogger("z3guard")
 
 BLOCK = 128  # the Adam kernel's largest SIMD block (fusedstep.py): ranges start on multiples of it
 PRIORITY_GAP = 1 << 16  # persistent regions closer than this run as one range
+WORKER_RANGE = 1 << 22  # elements per deferred range (and per chunk on the worker: fewer parallel regions)
 
 # Stage-3 methods that read or write the fp32 state, gradients or fp16 partitions the pass writes.
 BARRIERS = ("state_dict", "load_state_dict", "_offload_grad_partition_at_boundary", "get_full_hp_param",
@@ -84,6 +86,14 @@ def close_step(opt: Any) -> None:
         host_step.close()
 
 
+def worker_threads(step_threads: int) -> int:
+    """The worker's OpenMP threads: three quarters of the step's. The step's count fills the rank's share
+    of the cores; beside a running forward (its Python thread, CUDA's and NCCL's helpers) that many
+    oversubscribe the cores, and every parallel region of the pass then waits for a descheduled thread
+    (b27: the forward beside it took 276-294 ms instead of 135-157)."""
+    return max(1, step_threads * 3 // 4)
+
+
 def _after_host_step(host_step: "HostStep", method):
     def waiting(*args, **kwargs):
         host_step.wait_all()
@@ -122,12 +132,12 @@ class HostStep:
                 update.run(start, end)  # read by the persistent parameters' gather at the step's end
         todo = []
         for start, end in _gaps(self.priority.get(sub_group_id, ()), update.numel):
-            todo += [(lo, min(lo + fusedstep.CHUNK_NUMEL, end)) for lo in range(start, end, fusedstep.CHUNK_NUMEL)]
+            todo += [(lo, min(lo + WORKER_RANGE, end)) for lo in range(start, end, WORKER_RANGE)]
         if not todo:
             return
         with self.cond:
             self.progress[sub_group_id] = ([lo for lo, _ in todo], [hi for _, hi in todo], [0])
-            self.queue.append((sub_group_id, update, todo, torch.get_num_threads()))
+            self.queue.append((sub_group_id, update, todo, worker_threads(torch.get_num_threads())))
             self.stats["deferred_elements"] += sum(hi - lo for lo, hi in todo)
             if not self.busy:
                 self.busy, self.closed, self.error = True, False, None
@@ -152,7 +162,7 @@ class HostStep:
                 with self.threads.limit(limits=threads, user_api="openmp"):
                     done = self.progress[sub_group_id][2]
                     for start, end in todo:
-                        update.run(start, end)
+                        update.run(start, end, WORKER_RANGE)
                         with self.cond:
                             done[0] += 1
                             self.cond.notify_all()
