@@ -133,11 +133,17 @@ class Update:
         return cls(adam_update or adam.ds_opt_adam.adam_update, adam.opt_id, state["step"], hyper,
                    (param, grad, state["exp_avg"], state["exp_avg_sq"], low), factor)
 
-    def run(self, start: int, end: int, chunk_numel: int = CHUNK_NUMEL) -> None:
+    def run(self, start: int, end: int, chunk_numel: int = CHUNK_NUMEL, fused_range=None) -> None:
         """Elements [start, end): `start` on a SIMD block boundary (a multiple of 128), `end` one too or
-        the partition's end, so each element takes the kernel's path it takes in the whole-partition call."""
+        the partition's end, so each element takes the kernel's path it takes in the whole-partition call.
+        `fused_range`: nogil.py's C++ of this loop (the same calls, without the GIL)."""
         from .fastpaths import cast_copy_
 
+        if fused_range is not None:
+            tensor = self.factor if isinstance(self.factor, torch.Tensor) else None
+            return fused_range(self.opt_id, self.step, *self.hyper, self.param, self.grad, self.exp_avg,
+                               self.exp_avg_sq, self.low, tensor, 0.0 if tensor is not None else float(self.factor),
+                               start, end, chunk_numel)
         for lo in range(start, end, chunk_numel):
             chunk = slice(lo, min(lo + chunk_numel, end))
             self.grad[chunk].mul_(self.factor)

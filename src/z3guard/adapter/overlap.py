@@ -12,8 +12,8 @@ so the next forward starts once its first modules' parameters are ready and over
 Whatever else reads or writes what the pass writes waits for all of it: the next step, the backward's
 gradient writes, the optimizer's state_dict/load_state_dict, checkpoint loading, and DeepSpeed's
 fp32/gradient accessors (`deepspeed.utils.safe_get_full_fp32_param` & co.). The worker runs one range
-at a time with three quarters of the step's OpenMP threads (the rest of the cores run the forward), Adam
-through nogil.py so the forward's Python keeps the GIL.
+at a time with three quarters of the step's OpenMP threads (the rest of the cores run the forward), each
+range in C++ without the GIL (nogil.py), so the forward's Python keeps it.
 
 Bit-identical: the same chunks (fusedstep.Update) with the same inputs, each element once; only when.
 """
@@ -35,7 +35,7 @@ log = logging.getLogger("z3guard")
 
 BLOCK = 128  # the Adam kernel's largest SIMD block (fusedstep.py): ranges start on multiples of it
 PRIORITY_GAP = 1 << 16  # persistent regions closer than this run as one range
-WORKER_RANGE = 1 << 22  # elements per deferred range (and per chunk on the worker: fewer parallel regions)
+WORKER_RANGE = 1 << 22  # elements per deferred range: the worker takes the GIL once per range
 
 # Stage-3 methods that read or write the fp32 state, gradients or fp16 partitions the pass writes.
 BARRIERS = ("state_dict", "load_state_dict", "_offload_grad_partition_at_boundary", "get_full_hp_param",
@@ -52,7 +52,7 @@ PATCHED = BARRIERS
 def apply(opt: Any) -> bool:
     """After fusedstep.apply and overflow.apply (whose methods it wraps); False where the kernel cannot run
     without the GIL (the step then stays synchronous)."""
-    update = nogil.adam_update(opt.optimizer)
+    update = nogil.fused_range(opt.optimizer)
     if update is None:
         return False
     try:
@@ -107,10 +107,10 @@ class HostStep:
     """One optimizer's deferred passes: per sub-group, ranges run in order by a worker thread that lives
     for one step's work; fetches wait for their parameters' regions."""
 
-    def __init__(self, opt: Any, adam_update):
+    def __init__(self, opt: Any, fused_range):
         from threadpoolctl import ThreadpoolController
 
-        self.opt, self.adam_update = opt, adam_update
+        self.opt, self.fused_range = opt, fused_range
         self.threads = ThreadpoolController()
         self.cond = threading.Condition()
         self.busy = False  # read without the lock on every fetch: set before the worker starts
@@ -126,10 +126,9 @@ class HostStep:
     # -- the step's side --------------------------------------------------------------------
     def submit(self, sub_group_id: int, update: fusedstep.Update) -> None:
         """Within `step` (which waited for the last step's work first); the worker starts at the first."""
-        update.adam_update = self.adam_update
         with self.threads.limit(limits=1, user_api="openmp") if self.busy else contextlib.nullcontext():
             for start, end in self.priority.get(sub_group_id, ()):  # one thread beside a running worker
-                update.run(start, end)  # read by the persistent parameters' gather at the step's end
+                update.run(start, end, fused_range=self.fused_range)  # the persistent gather reads these
         todo = []
         for start, end in _gaps(self.priority.get(sub_group_id, ()), update.numel):
             todo += [(lo, min(lo + WORKER_RANGE, end)) for lo in range(start, end, WORKER_RANGE)]
@@ -162,7 +161,7 @@ class HostStep:
                 with self.threads.limit(limits=threads, user_api="openmp"):
                     done = self.progress[sub_group_id][2]
                     for start, end in todo:
-                        update.run(start, end, WORKER_RANGE)
+                        update.run(start, end, fusedstep.CHUNK_NUMEL, self.fused_range)
                         with self.cond:
                             done[0] += 1
                             self.cond.notify_all()
