@@ -32,26 +32,30 @@ from worker import config, timed_step  # noqa: E402
 
 
 def _split_pass(times: dict[str, float], seen: dict):
-    """fusedstep.Update.run, each of its three parts timed (the same calls in the same order)."""
+    """fusedstep.fused_update, each of its three parts timed (the same calls in the same order)."""
     from z3guard.adapter.fastpaths import cast_copy_
 
-    def run(self, start, end, chunk_numel=1 << 20):
-        seen.update(factor=str(getattr(self.factor, "device", type(self.factor).__name__)),
-                    low_pinned=self.low.is_pinned(), param_pinned=self.param.is_pinned(),
-                    grad_pinned=self.grad.is_pinned(), exp_avg_pinned=self.exp_avg.is_pinned(), numel=self.numel)
-        for lo in range(start, end, chunk_numel):
-            chunk = slice(lo, min(lo + chunk_numel, end))
+    def fused_update(adam, group, state, param, grad, low, factor, chunk_numel=1 << 20):
+        seen.update(factor=str(getattr(factor, "device", type(factor).__name__)), low_pinned=low.is_pinned(),
+                    param_pinned=param.is_pinned(), grad_pinned=grad.is_pinned(),
+                    exp_avg_pinned=state["exp_avg"].is_pinned(), numel=param.numel())
+        beta1, beta2 = group["betas"]
+        param, grad, low = param.view(-1), grad.view(-1), low.view(-1)
+        exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        for start in range(0, param.numel(), chunk_numel):
+            chunk = slice(start, start + chunk_numel)
             t0 = time.perf_counter()
-            self.grad[chunk].mul_(self.factor)
+            grad[chunk].mul_(factor)
             t1 = time.perf_counter()
-            self.adam_update(self.opt_id, self.step, *self.hyper, self.param[chunk], self.grad[chunk],
-                             self.exp_avg[chunk], self.exp_avg_sq[chunk])
+            adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"], param[chunk],
+                                         grad[chunk], exp_avg[chunk], exp_avg_sq[chunk])
             t2 = time.perf_counter()
-            cast_copy_(self.low[chunk], self.param[chunk])
+            cast_copy_(low[chunk], param[chunk])
             t3 = time.perf_counter()
             for k, d in (("unscale", t1 - t0), ("adam", t2 - t1), ("cast", t3 - t2)):
                 times[k] = times.get(k, 0.0) + d
-    return run
+    return fused_update
 
 
 def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int = 5,
@@ -69,7 +73,7 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    z3guard.install(z3guard.GuardOptions(warn=False, overlap_host_step=False))  # the pass inside `step`
+    z3guard.install(z3guard.GuardOptions(warn=False))
     size = models.Size.of(device)
     cfg = config("z3guard", "param+optimizer", size.batch, world, device)
     if "optimizer" not in cfg:  # the CPU smoke run: DeepSpeedCPUAdam all the same
@@ -88,8 +92,8 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
 
     for step in range(1, warmup + 1):
         one(step)
-    stock_update, stock_run, parts, seen, per_step = fusedstep.fused_update, fusedstep.Update.run, {}, {}, []
-    fusedstep.Update.run = _split_pass(parts, seen)
+    stock_update, parts, seen, per_step = fusedstep.fused_update, {}, {}, []
+    fusedstep.fused_update = _split_pass(parts, seen)
     try:
         step_s = []
         for step in range(warmup + 1, warmup + 1 + steps):
@@ -98,8 +102,8 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
             per_step.append({k: v - before.get(k, 0.0) for k, v in parts.items()})
             inside = dict(threads=len(os.listdir("/proc/self/task")))
     finally:
-        fusedstep.Update.run = stock_run
-    swept = _sweep(opt, fusedstep, stock_run, sweep, sweep_steps, one, warmup + 1 + steps) if sweep else {}
+        fusedstep.fused_update = stock_update
+    swept = _sweep(opt, fusedstep, stock_update, sweep, sweep_steps, one, warmup + 1 + steps) if sweep else {}
     record = {"rank": rank, "fast_paths": z3guard.guard(engine).fast_paths, "step_ms": 1e3 * statistics.median(step_s),
               "in_step_ms": {k: 1e3 * statistics.median(d[k] for d in per_step) for k in ("unscale", "adam", "cast")},
               "sweep": swept, **seen, "process_threads": inside["threads"], "affinity": len(os.sched_getaffinity(0)),
@@ -159,7 +163,7 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
     engine.destroy()
 
 
-def _sweep(opt, fusedstep, stock_run, combos: list[str], steps: int, one, first_step: int) -> dict:
+def _sweep(opt, fusedstep, stock_update, combos: list[str], steps: int, one, first_step: int) -> dict:
     """Each threads:chunk combination for `steps` steps, all of them twice in turn; medians in ms."""
     from threadpoolctl import ThreadpoolController
 
@@ -174,17 +178,17 @@ def _sweep(opt, fusedstep, stock_run, combos: list[str], steps: int, one, first_
                 threads, chunk = (int(x) for x in combo.split(":"))
                 opt.z3guard_threads = (controller, threads)
 
-                def timed_run(update, start, end, _chunk=chunk, _into=took[combo]["pass"]):
+                def timed_update(*args, _chunk=chunk, _into=took[combo]["pass"]):
                     t0 = time.perf_counter()
-                    stock_run(update, start, end, _chunk)
+                    stock_update(*args, chunk_numel=_chunk)
                     _into.append(time.perf_counter() - t0)
 
-                fusedstep.Update.run = timed_run
+                fusedstep.fused_update = timed_update
                 for _ in range(steps):
                     took[combo]["step"].append(one(step))
                     step += 1
     finally:
-        opt.z3guard_threads, fusedstep.Update.run = saved, stock_run
+        opt.z3guard_threads, fusedstep.fused_update = saved, stock_update
     return {c: {"step_ms": 1e3 * statistics.median(v["step"]), "pass_ms": 1e3 * statistics.median(v["pass"])}
             for c, v in took.items()}
 

@@ -26,8 +26,7 @@ VARIANT_CONFIG = {  # stock DeepSpeed, and its workarounds as config
 GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alone), or all but one
     "z3guard": {},
     "z3guard-nofast": {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-                       "fast_fused_step": False, "overlap_host_step": False, "host_threads": 0},
-    "z3guard-nooverlap": {"overlap_host_step": False},
+                       "fast_fused_step": False, "host_threads": 0},
     "z3guard-nofused": {"fast_fused_step": False},
     "z3guard-nothreads": {"host_threads": 0},
     "z3guard-threads8": {"host_threads": 8},
@@ -132,8 +131,6 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "trace_resyncs": g.trace.cache.resyncs if g else None,
         "skipped_steps": skipped, "fetch_wait_s": None, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
         "fast_paths": g.fast_paths if g else [],
-        "host_step": dict(engine.optimizer.z3guard_host_step.stats)  # overlap.py: deferred work, waits
-        if hasattr(engine.optimizer, "z3guard_host_step") else None,
     }
     engine.destroy()
     z3guard.uninstall()

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at e75fd6d (b27); be93db0's worker threads: the overlap it measures was removed after b29 (no gain); re-run it there.
 # Issue 8, one device call on nvidia-h200-x2, after the host step moved behind the next forward
 # (adapter/overlap.py): GPU bit-identity (52 steps, 5 skipped, reads right after `step`: GatheredParameters,
 # an eval forward, a checkpoint), then offload_param + offload_optimizer in one process group:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at 9f0a987 (b28): the overlap it measures was removed after b29 (no gain); re-run it there.
 # Issue 8, one device call on nvidia-h200-x2, after the overlap's worker left cores to the forward (be93db0):
 # offload_param + offload_optimizer in one process group, 10 warm-up + 15 timed steps each:
 # stock, z3guard (worker 12 threads), z3guard-nooverlap, z3guard-threads8 (worker 6), then the same

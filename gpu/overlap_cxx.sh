@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at 3acab99 (b29): the overlap it measures was removed after b29 (no gain); re-run it there.
 # Issue 8, one device call on nvidia-h200-x2, after the overlap's worker runs each range in C++ without
 # the GIL (nogil.fused_range): offload_param + offload_optimizer in one process group, stock, z3guard,
 # z3guard-nooverlap, z3guard-nooverlap, z3guard (8 warm-up + 12 timed steps); then GPU bit-identity of

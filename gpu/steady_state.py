@@ -4,8 +4,8 @@
 
 1. bit-identity of the offload fast paths over 52 steps with 5 skipped steps, stock vs z3guard:
    offload_param only (the device-side write-back cast), and offload_param + offload_optimizer with
-   DeepSpeedCPUAdam (the overflow check and torchrun's one thread per rank replaced, the host step behind
-   the next forward), with reads right after `step` (GatheredParameters, an eval forward, a checkpoint);
+   DeepSpeedCPUAdam (the overflow check and torchrun's one thread per rank replaced), with reads right
+   after `step` (GatheredParameters, an eval forward, a checkpoint) since b27;
 2. memory over 1,000 steps of the routed model (a new module order every step), z3guard.
 Prints a table and writes <out>/steady_state.json.
 """
@@ -51,7 +51,7 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
         diff = compare.first_job_difference(done, "stock", "z3guard")
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
                      "stock_skipped": stock["skipped"], "fast_paths": guarded.get("fast_paths", []),
-                     "overflow_reads": guarded.get("overflow_reads"), "host_step": guarded.get("host_step"),
+                     "overflow_reads": guarded.get("overflow_reads"),
                      "first_difference": None if diff is None else str(diff)})
     return rows
 

@@ -33,13 +33,6 @@ class GuardOptions:
     passes over all of it. Bit-identical (chunks on the Adam kernel's SIMD blocks). Steps aside, per
     step, where optimizer step hooks are registered; off only to compare with stock."""
 
-    overlap_host_step: bool = True
-    """With the fused step: run its pass over the host optimizer state on a worker thread behind the next
-    forward instead of before it returns; each gather waits for its parameters' regions, and everything
-    else that reads the optimizer's host state waits for all of it. Bit-identical (the same computations,
-    only when). Needs DeepSpeedCPUAdam's kernel without the GIL, built once like DeepSpeed's own
-    extension; without a compiler the step stays synchronous. Off only to compare with stock."""
-
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

@@ -8,7 +8,6 @@
   the same IEEE rounding on either side, so the bytes are identical.
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
-- host step overlap: the fused step's pass runs behind the next forward (overlap.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, overflow, overlap, persistent
+from . import fusedstep, overflow, persistent
 from .hostthreads import host_threads
 
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
@@ -49,7 +48,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False, fused_step: bool = False, overlap_step: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
@@ -72,8 +71,6 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
         opt.z3guard_threads = (ThreadpoolController(), n)
         applied.append(f"host_threads={n}")
-    if overlap_step and "fused_step" in applied and plain and overlap.apply(opt):  # wraps overflow's methods
-        applied.append("overlap_step")
     if n or "fused_step" in applied or "persistent_gather" in applied:
         opt.z3guard_stock_step = opt.step
         opt.step = types.MethodType(_step, opt)
@@ -81,13 +78,12 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
-           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *overlap.PATCHED)
+           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED)
 
 
 def remove(engine: Any) -> None:
     """Drop every method set on the optimizer instance (the class's come back) and every z3guard_ note."""
     opt = engine.optimizer
-    overlap.remove(opt)  # its last pass done, the parameters' gathers theirs again
     for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
         del opt.__dict__[name]
 
@@ -106,11 +102,9 @@ def _is_plain_stage3(opt: Any) -> bool:
 
 
 def _step(self, *args, **kwargs):
-    """DeepSpeed's step, after the last step's deferred host work (overlap.py), with the host threads (if
-    set), and at its end nothing of the fused step left behind (what a step that raised half-way noted
-    must not reach a later write-back), persistent parameters it kept but did not refresh released
-    (persistent.after_step), and its own deferred work handed to the worker for good."""
-    overlap.wait_all(self)
+    """DeepSpeed's step, with the host threads (if set), and at its end nothing of the fused step left
+    behind (what a step that raised half-way noted must not reach a later write-back) and persistent
+    parameters it kept but did not refresh released (persistent.after_step)."""
     self.z3guard_in_step = True
     try:
         if getattr(self, "z3guard_threads", None) is None:
@@ -122,7 +116,6 @@ def _step(self, *args, **kwargs):
         self.z3guard_in_step = False
         getattr(self, "z3guard_fused", {}).clear()
         persistent.after_step(self)
-        overlap.close_step(self)
 
 
 def _reassign_or_swap_out(self, sub_group_id: int) -> None:

@@ -105,56 +105,24 @@ def _optimizer_step(self, sub_group_id: int) -> None:
     state["step"] += 1
     if "step" in vars(adam):  # a torch LR scheduler's counter (see _steps_plainly)
         adam._opt_called = True
-    update = Update.of(adam, group, state, fp32.data, fp32.grad.data,
-                       self.fp16_partitioned_groups_flat[sub_group_id].data, factor)
-    host_step = getattr(self, "z3guard_host_step", None)
-    if host_step is not None:  # overlap.py: behind the next forward
-        host_step.submit(sub_group_id, update)
-    else:
-        update.run(0, update.numel)
+    fused_update(adam, group, state, fp32.data, fp32.grad.data, self.fp16_partitioned_groups_flat[sub_group_id].data,
+                 factor)
     self.z3guard_fused[sub_group_id] = "written"
-
-
-class Update:
-    """One sub-group's fused step with every value it reads taken now (the LR scheduler moves the group's
-    `lr` right after the step), so any range of it can run later, on any thread, in any order: each
-    element is computed once, by the same code as in one whole pass."""
-
-    def __init__(self, adam_update, opt_id: int, step: int, hyper: tuple, tensors: tuple, factor: Any):
-        self.adam_update, self.opt_id, self.step, self.hyper, self.factor = adam_update, opt_id, step, hyper, factor
-        self.param, self.grad, self.exp_avg, self.exp_avg_sq, self.low = (t.view(-1) for t in tensors)
-        self.numel = self.param.numel()
-
-    @classmethod
-    def of(cls, adam: Any, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor, low: torch.Tensor,
-           factor: Any, adam_update=None) -> "Update":
-        beta1, beta2 = group["betas"]
-        hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"])
-        return cls(adam_update or adam.ds_opt_adam.adam_update, adam.opt_id, state["step"], hyper,
-                   (param, grad, state["exp_avg"], state["exp_avg_sq"], low), factor)
-
-    def run(self, start: int, end: int, chunk_numel: int = CHUNK_NUMEL, fused_range=None) -> None:
-        """Elements [start, end): `start` on a SIMD block boundary (a multiple of 128), `end` one too or
-        the partition's end, so each element takes the kernel's path it takes in the whole-partition call.
-        `fused_range`: nogil.py's C++ of this loop (the same calls, without the GIL)."""
-        from .fastpaths import cast_copy_
-
-        if fused_range is not None:
-            tensor = self.factor if isinstance(self.factor, torch.Tensor) else None
-            return fused_range(self.opt_id, self.step, *self.hyper, self.param, self.grad, self.exp_avg,
-                               self.exp_avg_sq, self.low, tensor, 0.0 if tensor is not None else float(self.factor),
-                               start, end, chunk_numel)
-        for lo in range(start, end, chunk_numel):
-            chunk = slice(lo, min(lo + chunk_numel, end))
-            self.grad[chunk].mul_(self.factor)
-            self.adam_update(self.opt_id, self.step, *self.hyper, self.param[chunk], self.grad[chunk],
-                             self.exp_avg[chunk], self.exp_avg_sq[chunk])
-            cast_copy_(self.low[chunk], self.param[chunk])
 
 
 def fused_update(adam: Any, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor, low: torch.Tensor,
                  factor: Any, chunk_numel: int = CHUNK_NUMEL) -> None:
     """`grad *= factor`, DeepSpeedCPUAdam's update of `param`, `low.copy_(param)`: chunk by chunk.
     `state["step"]` is this step's (already incremented)."""
-    update = Update.of(adam, group, state, param, grad, low, factor)
-    update.run(0, update.numel, chunk_numel)
+    from .fastpaths import cast_copy_
+
+    beta1, beta2 = group["betas"]
+    param, grad, low = param.view(-1), grad.view(-1), low.view(-1)
+    exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    for start in range(0, param.numel(), chunk_numel):
+        chunk = slice(start, start + chunk_numel)
+        grad[chunk].mul_(factor)
+        adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
+                                     group["weight_decay"], group["bias_correction"], param[chunk], grad[chunk],
+                                     exp_avg[chunk], exp_avg_sq[chunk])
+        cast_copy_(low[chunk], param[chunk])

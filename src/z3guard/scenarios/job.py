@@ -197,8 +197,6 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["fast_paths"] = g.fast_paths
         result["overflow_reads"] = dict(getattr(engine.optimizer, "z3guard_overflow_reads", {}))
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
-        host_step = getattr(engine.optimizer, "z3guard_host_step", None)  # overlap.py: deferred work, waits
-        result["host_step"] = dict(host_step.stats) if host_step is not None else None
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
