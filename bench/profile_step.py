@@ -82,8 +82,9 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     phases.clear()
     for name in PHASES:
         _timed(engine.optimizer, name, phases, sync)
+    first = warmup + 1  # the timed steps' numbers (their batches) follow the warm-up's
     if timers_only:
-        for step in range(warmup + 1, warmup + 1 + steps):
+        for step in range(first, first + steps):
             one(step)
         record = {"variant": variant, "offload": offload, "model": model, "steps": steps, "warmup": warmup,
                   "fast_paths": z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else [],
@@ -94,13 +95,13 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
-        for step in range(4, 4 + steps):
+        for step in range(first, first + steps):
             one(step)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     phases_ms = _medians(phases, steps)
     python = cProfile.Profile()  # the Python functions of an unprofiled-by-torch step, after the phase timers
     with python:
-        for step in range(4 + steps, 4 + 2 * steps):
+        for step in range(first + steps, first + 2 * steps):
             one(step)
     text = io.StringIO()
     stats = pstats.Stats(python, stream=text)

@@ -40,10 +40,10 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
         if only not in name:
             continue
         common = dict(steps=52, skip_at=SKIPS, config=config, events=EVENTS)
-        saves = lambda job: dict(save_at=[20], save_dir=str(out / f"pair{i}" / f"ckpt-{job}"))  # noqa: E731
-        other = Job("z3guard", **common, **saves("z3guard")) if control else \
-            Job("z3guard", guard=True, options=options or {}, **common, **saves("z3guard"))
-        done = run_jobs([Job("stock", **common, **saves("stock")), other], out / f"pair{i}", device)
+        jobs = [Job(job, **common, guard=guard, options=(options or {}) if guard else {}, save_at=[20],
+                    save_dir=str(out / f"pair{i}" / f"ckpt-{job}"))
+                for job, guard in (("stock", False), ("z3guard", not control))]
+        done = run_jobs(jobs, out / f"pair{i}", device)
         if done.returncode != 0:
             rows.append({"run": name, "error": done.log[-3000:]})
             continue
