@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -65,11 +66,17 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-           "fast_fused_step": False}
+           "fast_fused_step": False, "fast_grad_offload": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
-    assert {"overflow_check", "persistent_gather"} <= set(fast["fast_paths"]) and plain["fast_paths"] == []
+    assert {"overflow_check", "persistent_gather", "grad_offload"} <= set(fast["fast_paths"])
+    assert plain["fast_paths"] == []
+    # every gradient's norm and fp32 cast taken from the partition still on the device; the global norm
+    # summed on the host at every step that was not skipped
+    moved = fast["grad_offload"]
+    assert moved["from_device"] > 0 and moved["copied_back"] == 0
+    assert moved["norms_summed_on_host"] == (52 - len(skips)) * fast["optimizer_sub_groups"]
     assert stock["skipped"] == fast["skipped"] == skips
     # every gradient arrived on every step: the norms decided each check, no buffer was read
     assert fast["overflow_reads"] == {"checks": 52, "elements_read": 0}
@@ -231,3 +238,26 @@ def test_fused_step_steps_aside_for_what_expects_ds_cpu_adam_step_to_run(monkeyp
         assert not _steps_plainly(new())
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_norms_summed_on_the_host_match_stocks_device_loop(dtype):
+    """The global norm's sum of squares, against stock's loop of tensor ops, on norms whose sum depends
+    on the order and precision of its additions (a pairwise or fp64 sum of fp32 norms would differ)."""
+    from z3guard.adapter.gradoffload import sum_of_squares
+
+    def stock(norms):  # DeepSpeed 0.19's complete_grad_norm_calculation_for_cpu_offload
+        total = 0.0
+        for n in norms:
+            total += n ** 2
+        return float(total)
+
+    g = torch.Generator().manual_seed(5)
+    scales = 10.0 ** torch.randint(-4, 5, (392,), generator=g)
+    norms = [n.to(dtype) for n in torch.rand(392, generator=g, dtype=torch.float64) * scales] + \
+        [torch.tensor(v, dtype=dtype) for v in (0.0, 1e-30, 3.0, 1.0 + 2**-20)]
+    assert sum_of_squares(norms) == stock(norms)
+    assert stock(norms[::-1]) != stock(norms)  # the order shows in the bits: the check above can fail
+    for special in ("inf", "nan"):
+        with_special = norms + [torch.tensor(float(special), dtype=dtype)]
+        assert repr(sum_of_squares(with_special)) == repr(stock(with_special))

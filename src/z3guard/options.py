@@ -33,6 +33,12 @@ class GuardOptions:
     passes over all of it. Bit-identical (chunks on the Adam kernel's SIMD blocks). Steps aside, per
     step, where optimizer step hooks are registered; off only to compare with stock."""
 
+    fast_grad_offload: bool = True
+    """With `offload_optimizer`: in the backward, take each gradient's norm and fp32 cast from the partition
+    still on the device instead of copying it back from the host buffer it was just copied into; at the
+    step, add up the per-parameter norms on the host in stock's order, after one read. Same bytes (the
+    same IEEE additions in the same order); off only to compare with stock."""
+
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

@@ -6,6 +6,8 @@
   temporary as large as the partition, every step. Here the cast runs on the device, chunk by chunk
   (bounded extra device memory), and each chunk is copied straight into the pinned buffer. The cast is
   the same IEEE rounding on either side, so the bytes are identical.
+- gradients to the host: no copy back to the device in the backward, the global norm summed in one
+  read (gradoffload.py).
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, overflow, persistent
+from . import fusedstep, gradoffload, overflow, persistent
 from .hostthreads import host_threads
 
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
@@ -48,7 +50,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False, fused_step: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
     opt = engine.optimizer
     applied = []
@@ -59,6 +61,9 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
             fusedstep.apply(opt)
             applied.append("fused_step")
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
+    if grad_offload and plain and gradoffload.applicable(opt):  # before the overflow check wraps it
+        gradoffload.apply(opt)
+        applied.append("grad_offload")
     if overflow_check and hasattr(opt, "grad_partitions_flat_buffer"):
         overflow.apply(opt, trust_norms=plain)
         applied.append("overflow_check")
@@ -78,7 +83,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
-           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED)
+           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *gradoffload.PATCHED)
 
 
 def remove(engine: Any) -> None:

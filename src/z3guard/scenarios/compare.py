@@ -17,13 +17,14 @@ class Difference:
         return f"{self.where}: {self.detail}"
 
 
-def first_loss_difference(reference: dict[str, float], other: dict[str, float]) -> Difference | None:
+def first_loss_difference(reference: dict[str, float], other: dict[str, float],
+                          label: str = "loss") -> Difference | None:
     for step in sorted(other, key=int):
         if step not in reference:
-            return Difference(f"loss@{step}", "step missing from the reference run")
+            return Difference(f"{label}@{step}", "step missing from the reference run")
         a, b = reference[step], other[step]
         if a != b and not (math.isnan(a) and math.isnan(b)):
-            return Difference(f"loss@{step}", f"{b!r} != reference {a!r} (abs diff {abs(a - b):.3e})")
+            return Difference(f"{label}@{step}", f"{b!r} != reference {a!r} (abs diff {abs(a - b):.3e})")
     return None
 
 
@@ -41,9 +42,11 @@ def first_tensor_difference(reference: dict[str, torch.Tensor], other: dict[str,
 
 
 def first_job_difference(done: Any, reference: str, other: str, nproc: int = 2) -> Difference | None:
-    """Two jobs of one launch: losses, gathered weights, then each rank's optimizer partition."""
-    if d := first_loss_difference(done.result(reference)["losses"], done.result(other)["losses"]):
-        return d
+    """Two jobs of one launch: losses and gradient norms, gathered weights, then each rank's optimizer
+    partition."""
+    for key, label in (("losses", "loss"), ("grad_norms", "grad_norm")):  # norms: where the job kept them
+        if d := first_loss_difference(done.result(reference).get(key, {}), done.result(other).get(key, {}), label):
+            return d
     if d := first_tensor_difference(done.state(reference), done.state(other)):
         return d
     for rank in range(nproc):

@@ -150,6 +150,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 engine.backward(loss)
                 engine.step()
             result["losses"][str(step)] = value
+            norm = engine.get_global_grad_norm()  # the step's clipping norm: compared as losses are
+            result.setdefault("grad_norms", {})[str(step)] = math.nan if norm is None else float(norm)
             _consume_rng()  # as dropout and augmentation would: resume must continue these streams
             if not engine.was_step_applied():
                 result["skipped"].append(step)
@@ -196,6 +198,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["restored"] = g.trace.restored
         result["fast_paths"] = g.fast_paths
         result["overflow_reads"] = dict(getattr(engine.optimizer, "z3guard_overflow_reads", {}))
+        result["grad_offload"] = dict(getattr(engine.optimizer, "z3guard_grad_offload", {}))
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}

@@ -1,0 +1,112 @@
+"""`offload_optimizer`'s gradients on their way to the host, and their global norm (DeepSpeed 0.19).
+
+- In the backward, stage 3 copies each gradient partition into the host buffer and then copies that
+  region back to the device (`.to(device)`), where it takes the norm and casts the gradient into the
+  fp32 gradients on the host: a host-to-device copy of every gradient on every step (355 MB per rank on
+  GPT-2 medium) and a device allocation per parameter. The partition it copied from is still on the
+  device and holds the same values (same dtype: the bytes are copied, not converted), so at a boundary's
+  first micro-step, the one that copies rather than accumulates, the norm and the cast read it instead.
+- At the step, the global norm adds up the per-parameter norms with two device ops each
+  (`total += norm ** 2`, 784 launches on GPT-2 medium) before reading the sum back. Here the squares are
+  taken in one op and added on the host, in the same order and precision: the same IEEE additions give
+  the same bits.
+
+Anything else (accumulation, NVMe-swapped optimizer state, a conversion between dtypes, norms that are
+not one device's scalars) runs stock's code.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+PATCHED = ("partition_grads", "complete_grad_norm_calculation_for_cpu_offload")  # set by apply
+REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+def applicable(opt: Any) -> bool:
+    return (bool(getattr(opt, "offload_optimizer", False)) and not getattr(opt, "swap_optimizer", False)
+            and hasattr(opt, REGIONS) and hasattr(opt, "_offload_boundary_param_ids"))
+
+
+def apply(opt: Any) -> None:
+    """Before overflow.apply, whose note-keeping wraps the `partition_grads` set here."""
+    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "norms_summed_on_host": 0}  # what ran
+    opt.z3guard_stock_partition_grads_to_host = opt.partition_grads
+    opt.partition_grads = types.MethodType(_partition_grads, opt)
+    opt.z3guard_stock_offload_norm = opt.complete_grad_norm_calculation_for_cpu_offload
+    opt.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_offload_norm, opt)
+
+
+def _partition_grads(self, params_to_release: list, grad_partitions: list) -> list:
+    # DeepSpeed 0.19's `partition_grads` at a boundary's first micro-step, without the copy back.
+    if self.micro_step_id != 0 or not self.is_gradient_accumulation_boundary():
+        return self.z3guard_stock_partition_grads_to_host(params_to_release, grad_partitions)
+    from deepspeed.accelerator import get_accelerator
+
+    regions, synchronized = getattr(self, REGIONS), get_accelerator().is_synchronized_device()
+    buffers = []
+    for param, grad_partition in zip(params_to_release, grad_partitions):
+        if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
+            param.grad = None  # an empty partition: nothing to do
+            continue
+        self._offload_boundary_param_ids.add(param.ds_id)
+        region = regions[param.ds_id].narrow(0, 0, grad_partition.numel())
+        buffers.append(region)
+        region.copy_(grad_partition, non_blocking=True)
+        if grad_partition.dtype == region.dtype and grad_partition.is_contiguous():
+            on_device, counted = grad_partition.view(-1), "from_device"
+        else:  # stock's copy back: what the region holds after a conversion
+            on_device, counted = region.to(grad_partition.device, non_blocking=True), "copied_back"
+        self.z3guard_grad_offload[counted] += 1
+        self._offload_grad_partition_at_boundary(param, on_device, {}, {})
+        if not synchronized and param.grad is not None:
+            param.grad.record_stream(get_accelerator().current_stream())
+        param.grad = None
+    return buffers
+
+
+def _offload_norm(self, params: list):
+    # DeepSpeed 0.19's `complete_grad_norm_calculation_for_cpu_offload`, its sum of squares on the host.
+    from deepspeed.runtime.zero import stage3 as s3  # its names, as stock's code sees them
+
+    self._assert_same_partition_group(params)
+    process_group = self._get_param_partition_group(params[0])
+    counts_every_rank = self._grad_norm_counts_every_rank(params, process_group)
+    norms = [self.norm_for_param_grads[self.get_param_id(p)] for p in params
+             if (counts_every_rank or s3.is_model_parallel_parameter(p) or self.model_parallel_rank == 0)
+             and self.get_param_id(p) in self.norm_for_param_grads]
+    if not _one_device_scalars(norms):
+        return self.z3guard_stock_offload_norm(params)
+    self.z3guard_grad_offload["norms_summed_on_host"] += 1
+    total_norm_cuda = s3.get_accelerator().FloatTensor([sum_of_squares(norms)])
+    s3.dist.all_reduce(total_norm_cuda, op=s3.dist.ReduceOp.SUM, group=process_group)
+    if not counts_every_rank:
+        self._model_parallel_all_reduce(tensor=total_norm_cuda, op=s3.dist.ReduceOp.SUM)
+    autoep_ep_group = self._autoep_expert_parallel_group(params)
+    if s3.pg_utils.is_parallel(autoep_ep_group):
+        s3.dist.all_reduce(total_norm_cuda, op=s3.dist.ReduceOp.SUM, group=autoep_ep_group)
+    total_norm = total_norm_cuda[0]**(1. / 2.0)
+    s3.mask_nan_or_inf_with_val_inplace(total_norm, device=total_norm.device)
+    return total_norm.cpu()
+
+
+def sum_of_squares(norms: list[torch.Tensor]) -> float:
+    """Stock's `total = 0.0; for n in norms: total += n ** 2` (device ops in the norms' dtype, then
+    `float(total)`), with one device op and one read: the squares are the same elementwise op, and the
+    additions run on the host in the same order and precision."""
+    squares = (torch.stack([n.reshape(()) for n in norms]) ** 2).cpu().numpy()
+    total = squares.dtype.type(0.0)
+    for square in squares:
+        total = total + square
+    return float(total)
+
+
+def _one_device_scalars(norms: list) -> bool:
+    """Tensors of one element, one device and one float dtype: what stage 3's backward stores."""
+    if not norms or not all(isinstance(n, torch.Tensor) and n.numel() == 1 for n in norms):
+        return False
+    first = norms[0]
+    return first.dtype in (torch.float64, torch.float32) and all(
+        n.device == first.device and n.dtype == first.dtype for n in norms)
