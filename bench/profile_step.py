@@ -53,7 +53,7 @@ def _timed(obj, key: str, totals: dict[str, list[float]], sync) -> None:
 
 
 def profile(variant: str, offload: str, model: str, steps: int, device: torch.device, world: int,
-            warmup: int = 3, timers_only: bool = False) -> dict:
+            warmup: int = 3, timers_only: bool = False, alternate: bool = False) -> list[dict]:
     import deepspeed
 
     import z3guard
@@ -84,14 +84,24 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
         _timed(engine.optimizer, name, phases, sync)
     first = warmup + 1  # the timed steps' numbers (their batches) follow the warm-up's
     if timers_only:
-        for step in range(first, first + steps):
+        fast_paths = z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else []
+        switch = _grad_offload_switch(engine.optimizer) if alternate else None
+        halves: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+        for i, step in enumerate(range(first, first + steps)):
+            on = i % 2 == 0
+            if switch:
+                switch(on)
             one(step)
-        record = {"variant": variant, "offload": offload, "model": model, "steps": steps, "warmup": warmup,
-                  "fast_paths": z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else [],
-                  "phases_ms": _medians(phases, steps), "phases_s": phases}
+            for name, took in phases.items():  # the timers keep appending to `phases`: emptied, not replaced
+                halves[on].setdefault(name, []).extend(took)
+            phases.clear()
         engine.destroy()
         z3guard.uninstall()
-        return record
+        runs = [(variant, True, steps)] if not switch else \
+            [(f"{variant} grad_offload on", True, steps // 2), (f"{variant} grad_offload off", False, steps // 2)]
+        return [{"variant": name, "offload": offload, "model": model, "steps": n, "warmup": warmup,
+                 "fast_paths": fast_paths, "phases_ms": _medians(halves[on], n), "phases_s": halves[on]}
+                for name, on, n in runs]
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -116,7 +126,20 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
                            "calls_per_step": e.count / steps} for e in ops]}
     engine.destroy()
     z3guard.uninstall()
-    return record
+    return [record]
+
+
+def _grad_offload_switch(opt):
+    """Turns fast_grad_offload on or off between steps of one engine (`--alternate`): an A/B whose halves
+    interleave, so the host's drift, which moves whole runs by tens of ms (docs/benchmarks.md), falls on
+    both alike. It swaps what the path replaced for stock's, under the overflow check's wrapper."""
+    fast = (opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload)
+    stock = (opt.z3guard_stock_partition_grads_to_host, opt.z3guard_stock_offload_norm)
+
+    def switch(on: bool) -> None:
+        opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload = fast if on else stock
+
+    return switch
 
 
 def _medians(phases: dict[str, list[float]], steps: int) -> dict[str, float]:
@@ -127,6 +150,8 @@ def _medians(phases: dict[str, list[float]], steps: int) -> dict[str, float]:
 def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "cuda", steps: int = 3,
          variants: list[str] = typer.Option(["stock", "z3guard"]), warmup: int = 3,
          timers_only: bool = typer.Option(False, help="phase timers only: no torch.profiler, no cProfile"),
+         alternate: bool = typer.Option(False, help="with --timers-only: fast_grad_offload on and off on "
+                                                    "alternate steps of each engine, reported as two columns"),
          out: Path = typer.Option(None)) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -137,7 +162,8 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    records = [profile(v, offload, model, steps, dev, dist.get_world_size(), warmup, timers_only) for v in variants]
+    records = [r for v in variants
+               for r in profile(v, offload, model, steps, dev, dist.get_world_size(), warmup, timers_only, alternate)]
     if dist.get_rank() == 0:
         console = Console(width=150)
         t = Table(title=f"{model}, offload {offload}: ms per step (phase: median per call x calls per step)")
