@@ -11,10 +11,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _call_number(call: str) -> int:
+    """b2 before b10: calls in the order they ran."""
+    digits = call.lstrip("b")
+    return int(digits) if digits.isdigit() else -1
+
+
 def main(results: Path, out: Path) -> None:
     records = json.loads(results.read_text())
     groups = sorted({(r["model"], r["offload"], r.get("call", "")) for r in records},
-                    key=lambda g: (g[2], g[0], g[1]))
+                    key=lambda g: (_call_number(g[2]), g[0], g[1]))
     variants = ["stock", "stock-persist0", "stock-noprefetch", "z3guard-nofast", "z3guard"]
     fig, ax = plt.subplots(figsize=(14, 5.2))
     width = 0.8 / len(variants)
