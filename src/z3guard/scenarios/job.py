@@ -150,10 +150,11 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 engine.backward(loss)
                 engine.step()
             result["losses"][str(step)] = value
-            norm = engine.get_global_grad_norm()  # the step's clipping norm: compared as losses are
-            result.setdefault("grad_norms", {})[str(step)] = math.nan if norm is None else float(norm)
             _consume_rng()  # as dropout and augmentation would: resume must continue these streams
-            if not engine.was_step_applied():
+            if engine.was_step_applied():  # its clipping norm, compared as losses are (a skip keeps the last)
+                norm = engine.get_global_grad_norm()
+                result.setdefault("grad_norms", {})[str(step)] = math.nan if norm is None else float(norm)
+            else:
                 result["skipped"].append(step)
                 if job.regather_after_skip:
                     persistent = engine.optimizer.persistent_parameters
