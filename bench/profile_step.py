@@ -133,6 +133,9 @@ def _grad_offload_switch(opt):
     """Turns fast_grad_offload on or off between steps of one engine (`--alternate`): an A/B whose halves
     interleave, so the host's drift, which moves whole runs by tens of ms (docs/benchmarks.md), falls on
     both alike. It swaps what the path replaced for stock's, under the overflow check's wrapper."""
+    if not hasattr(opt, "z3guard_stock_partition_grads_to_host"):
+        raise SystemExit("--alternate: fast_grad_offload is not applied to this engine (a z3guard variant with "
+                         "offload_optimizer is needed)")
     fast = (opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload)
     stock = (opt.z3guard_stock_partition_grads_to_host, opt.z3guard_stock_offload_norm)
 
