@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "src"))
 import models  # noqa: E402
-from worker import config, timed_step  # noqa: E402
+from worker import config, make_engine, timed_step  # noqa: E402
 
 
 def _split_pass(times: dict[str, float], seen: dict):
@@ -78,11 +78,7 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
     cfg = config("z3guard", "param+optimizer", size.batch, world, device)
     if "optimizer" not in cfg:  # the CPU smoke run: DeepSpeedCPUAdam all the same
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
-    torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device == "cuda"):
-        net, size = models.make("gpt2", device)
-    engine, *_ = deepspeed.initialize(model=net, config=cfg)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    engine, size, sync = make_engine("gpt2", cfg, device)
     dtype = torch.float16 if device == "cuda" else torch.bfloat16
     opt = engine.optimizer
 

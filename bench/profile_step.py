@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "src"))
 import models  # noqa: E402
-from worker import GUARD_OPTIONS, config, timed_step  # noqa: E402
+from worker import GUARD_OPTIONS, config, make_engine, timed_step  # noqa: E402
 
 # Stage-3 optimizer methods timed one by one (DeepSpeed 0.19); missing ones are skipped.
 PHASES = ["optimizer.step", "has_overflow", "_overflow_check_and_loss_scale_update", "_get_norm_groups",
@@ -54,8 +54,6 @@ def _timed(obj, key: str, totals: dict[str, list[float]], sync) -> None:
 
 def profile(variant: str, offload: str, model: str, steps: int, device: torch.device, world: int,
             warmup: int = 3, timers_only: bool = False, alternate: bool = False) -> list[dict]:
-    import deepspeed
-
     import z3guard
 
     z3guard.uninstall()
@@ -63,12 +61,7 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
         z3guard.install(z3guard.GuardOptions(warn=False, **GUARD_OPTIONS[variant]))
     size = models.Size.of(device.type)
     cfg = config(variant, offload, size.batch, world, device.type)
-    torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device.type == "cuda"):
-        net, size = models.make(model, device.type)
-    kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(net.parameters(), lr=1e-4)}
-    engine, *_ = deepspeed.initialize(model=net, config=cfg, **kwargs)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    engine, size, sync = make_engine(model, cfg, device.type)
     phases: dict[str, list[float]] = {}
 
     def one(step: int) -> None:

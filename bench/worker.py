@@ -57,6 +57,20 @@ def config(variant: str, offload: str, micro_batch: int, world: int, device: str
     return cfg
 
 
+def make_engine(name: str, cfg: dict, device: str):
+    """The benchmark model under ZeRO-3 (built already partitioned on GPUs) and its engine, seeded alike
+    for every run; the client AdamW on the GPU unless `cfg` names an optimizer. Returns (engine, size, sync)."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device == "cuda"):
+        model, size = models.make(name, device)
+    kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return engine, size, sync
+
+
 def timed_step(engine, args: tuple, kw: dict, target: torch.Tensor, sync) -> tuple[float, float, float]:
     """One forward (with the loss), backward and optimizer step; the seconds of each, each phase timed to
     the device's completion (what the next phase starts with waits for the last one's kernels anyway)."""
@@ -75,7 +89,6 @@ def timed_step(engine, args: tuple, kw: dict, target: torch.Tensor, sync) -> tup
 
 
 def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
-    import deepspeed
     import psutil
 
     import z3guard
@@ -90,15 +103,10 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     size = models.Size.of(device.type)
     micro = size.batch * (4 if name == "clip" else 1)
     cfg = config(variant, offload, micro, world, device.type)
-    torch.manual_seed(0)
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0  # earlier runs' leftovers
     rss_before = psutil.Process().memory_info().rss  # RSS only grows through a process: compare the growth
-    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device.type == "cuda"):
-        model, size = models.make(name, device.type)
-    kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
+    engine, size, sync = make_engine(name, cfg, device.type)
     count_invalidations = adapter.load().count_invalidations(engine)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, phases, skipped, tokens = [], {"forward": [], "backward": [], "step": []}, 0, 0
     warmup_times = []
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
@@ -135,7 +143,7 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
     }
     engine.destroy()
     z3guard.uninstall()
-    del engine, model
+    del engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
