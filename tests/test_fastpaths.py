@@ -261,3 +261,22 @@ def test_norms_summed_on_the_host_match_stocks_device_loop(dtype):
     for special in ("inf", "nan"):
         with_special = norms + [torch.tensor(float(special), dtype=dtype)]
         assert repr(sum_of_squares(with_special)) == repr(stock(with_special))
+
+
+def test_no_fast_path_where_something_else_replaced_a_method_on_the_optimizer():
+    """ZenFlow's overlapped step sets its own `step` and `partition_grads` on the stage-3 instance: the fast
+    paths follow stock's code, so none is applied there (and removing them leaves its methods in place)."""
+    from types import SimpleNamespace
+
+    from z3guard.adapter import fastpaths
+
+    def own_partition_grads(params, grads):
+        return []
+
+    opt = SimpleNamespace(partition_grads=own_partition_grads, fp16_partitioned_groups_flat=[],
+                          grad_partitions_flat_buffer=None, offload_optimizer=True)
+    engine = SimpleNamespace(optimizer=opt)
+    assert fastpaths.apply(engine, writeback=True, overflow_check=True, persistent_gather=True,
+                           fused_step=True, grad_offload=True) == []
+    fastpaths.remove(engine)
+    assert vars(opt)["partition_grads"] is own_partition_grads

@@ -51,8 +51,12 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
           persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False) -> list[str]:
-    """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names."""
+    """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names. None where
+    something else already replaced one of the methods they replace on this instance (ZenFlow's
+    overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
     opt = engine.optimizer
+    if any(name in vars(opt) for name in PATCHED):
+        return []
     applied = []
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
@@ -79,6 +83,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     if n or "fused_step" in applied or "persistent_gather" in applied:
         opt.z3guard_stock_step = opt.step
         opt.step = types.MethodType(_step, opt)
+    opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]  # none was there before
     return applied
 
 
@@ -87,9 +92,11 @@ PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
 
 
 def remove(engine: Any) -> None:
-    """Drop every method set on the optimizer instance (the class's come back) and every z3guard_ note."""
+    """Drop the methods `apply` set on the optimizer instance (the class's come back) and every z3guard_
+    note; what anything else set there stays."""
     opt = engine.optimizer
-    for name in [n for n in vars(opt) if n in PATCHED or n.startswith("z3guard_")]:
+    ours = set(vars(opt).get("z3guard_set_methods", ()))
+    for name in [n for n in vars(opt) if n in ours or n.startswith("z3guard_")]:
         del opt.__dict__[name]
 
 
@@ -103,7 +110,8 @@ def _host_optimizer_is_ds_cpu_adam(opt: Any) -> bool:
 def _is_plain_stage3(opt: Any) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    return type(opt) is DeepSpeedZeroOptimizer_Stage3 and hasattr(opt, "parameter_offload")
+    return (type(opt) is DeepSpeedZeroOptimizer_Stage3 and hasattr(opt, "parameter_offload")
+            and not getattr(opt, "zenflow", False))  # ZenFlow changes the step's calls from within
 
 
 def _step(self, *args, **kwargs):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import numpy as np
 import torch
 
 PATCHED = ("partition_grads", "complete_grad_norm_calculation_for_cpu_offload")  # set by apply
@@ -27,14 +28,17 @@ REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 def applicable(opt: Any) -> bool:
     return (bool(getattr(opt, "offload_optimizer", False)) and not getattr(opt, "swap_optimizer", False)
-            and hasattr(opt, REGIONS) and hasattr(opt, "_offload_boundary_param_ids"))
+            and not getattr(opt, "zenflow", False) and hasattr(opt, REGIONS)
+            and hasattr(opt, "_offload_boundary_param_ids"))
 
 
 def apply(opt: Any) -> None:
     """Before overflow.apply, whose note-keeping wraps the `partition_grads` set here."""
     opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "norms_summed_on_host": 0}  # what ran
+    from deepspeed.utils.nvtx import instrument_w_nvtx
+
     opt.z3guard_stock_partition_grads_to_host = opt.partition_grads
-    opt.partition_grads = types.MethodType(_partition_grads, opt)
+    opt.partition_grads = types.MethodType(instrument_w_nvtx(_partition_grads), opt)  # stock's range, kept
     opt.z3guard_stock_offload_norm = opt.complete_grad_norm_calculation_for_cpu_offload
     opt.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_offload_norm, opt)
 
@@ -44,8 +48,10 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
     if self.micro_step_id != 0 or not self.is_gradient_accumulation_boundary():
         return self.z3guard_stock_partition_grads_to_host(params_to_release, grad_partitions)
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.utils import get_norm_dtype
 
     regions, synchronized = getattr(self, REGIONS), get_accelerator().is_synchronized_device()
+    norm_dtype = get_norm_dtype()
     buffers = []
     for param, grad_partition in zip(params_to_release, grad_partitions):
         if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
@@ -55,9 +61,11 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
         region = regions[param.ds_id].narrow(0, 0, grad_partition.numel())
         buffers.append(region)
         region.copy_(grad_partition, non_blocking=True)
-        if grad_partition.dtype == region.dtype and grad_partition.is_contiguous():
+        # Same dtype: the region holds the partition's bytes. And the norm must start with a cast (as it
+        # does from fp16/bf16 gradients), so that it reduces a fresh tensor as stock's does, not a view.
+        if grad_partition.dtype == region.dtype != norm_dtype and grad_partition.is_contiguous():
             on_device, counted = grad_partition.view(-1), "from_device"
-        else:  # stock's copy back: what the region holds after a conversion
+        else:  # stock's copy back
             on_device, counted = region.to(grad_partition.device, non_blocking=True), "copied_back"
         self.z3guard_grad_offload[counted] += 1
         self._offload_grad_partition_at_boundary(param, on_device, {}, {})
@@ -98,8 +106,9 @@ def sum_of_squares(norms: list[torch.Tensor]) -> float:
     additions run on the host in the same order and precision."""
     squares = (torch.stack([n.reshape(()) for n in norms]) ** 2).cpu().numpy()
     total = squares.dtype.type(0.0)
-    for square in squares:
-        total = total + square
+    with np.errstate(all="ignore"):  # an fp32 sum past its range is inf, silently, as on the device
+        for square in squares:
+            total = total + square
     return float(total)
 
 
