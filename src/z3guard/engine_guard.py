@@ -25,6 +25,8 @@ class EngineGuard:
         adapter.guard_coordinator(engine, self.trace)
         self.checkpoint = CheckpointGuard(engine, adapter)
         self.fast_paths = adapter.apply_fast_paths(engine, options)
+        if rank0 and self.fast_paths:
+            log.info("z3guard: offload fast paths on: %s", ", ".join(self.fast_paths))
 
     def remove(self) -> None:
         self.adapter.unguard_coordinator(self.engine)

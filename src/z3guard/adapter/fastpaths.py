@@ -19,6 +19,7 @@
 """
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from . import fusedstep, gradoffload, overflow, persistent
 from .hostthreads import host_threads
 
+log = logging.getLogger("z3guard")
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
 
 
@@ -55,7 +57,10 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     something else already replaced one of the methods they replace on this instance (ZenFlow's
     overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
     opt = engine.optimizer
-    if any(name in vars(opt) for name in PATCHED):
+    replaced = [name for name in PATCHED if name in vars(opt)]
+    if replaced:
+        log.info("z3guard: no offload fast paths on this engine: %s already replaced on its optimizer "
+                 "(ZenFlow's overlapped step does that); DeepSpeed's own code runs", ", ".join(replaced))
         return []
     applied = []
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
