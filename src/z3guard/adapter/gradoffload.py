@@ -27,16 +27,16 @@ REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 def applicable(opt: Any) -> bool:
+    """On plain stage 3 (fastpaths._is_plain_stage3, which leaves ZenFlow out) with host optimizer state."""
     return (bool(getattr(opt, "offload_optimizer", False)) and not getattr(opt, "swap_optimizer", False)
-            and not getattr(opt, "zenflow", False) and hasattr(opt, REGIONS)
-            and hasattr(opt, "_offload_boundary_param_ids"))
+            and hasattr(opt, REGIONS) and hasattr(opt, "_offload_boundary_param_ids"))
 
 
 def apply(opt: Any) -> None:
     """Before overflow.apply, whose note-keeping wraps the `partition_grads` set here."""
-    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "norms_summed_on_host": 0}  # what ran
     from deepspeed.utils.nvtx import instrument_w_nvtx
 
+    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "norms_summed_on_host": 0}  # what ran
     opt.z3guard_stock_partition_grads_to_host = opt.partition_grads
     opt.partition_grads = types.MethodType(instrument_w_nvtx(_partition_grads), opt)  # stock's range, kept
     opt.z3guard_stock_offload_norm = opt.complete_grad_norm_calculation_for_cpu_offload
