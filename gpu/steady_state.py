@@ -5,7 +5,8 @@
 1. bit-identity of the offload fast paths over 52 steps with 5 skipped steps, stock vs z3guard:
    offload_param only (the device-side write-back cast), and offload_param + offload_optimizer with
    DeepSpeedCPUAdam (the overflow check and torchrun's one thread per rank replaced), with reads right
-   after `step` (GatheredParameters, an eval forward, a checkpoint) since b27;
+   after `step` (GatheredParameters, an eval forward, a checkpoint) since b27, and every gradient read
+   and set through DeepSpeed's accessors since b35;
 2. memory over 1,000 steps of the routed model (a new module order every step), z3guard.
 Prints a table and writes <out>/steady_state.json.
 """
@@ -25,6 +26,9 @@ from z3guard.scenarios.launch import run_jobs
 SKIPS = [3, 10, 25, 26, 40]
 # Reads right after `step` returned (what the host step's overlap must wait for), in both runs of a pair.
 EVENTS = {"5": ["gathered"], "11": ["eval"], "26": ["gathered"], "33": ["eval", "gathered"]}
+# DeepSpeed's gradient accessors between backward and step and after it (safe_get_full_grad; halving them
+# with safe_set_full_grad), where the fp32 gradients are cast on the host only when read (since b35).
+GRADS = dict(read_grads_at=[2, 3, 12, 25, 41, 52], halve_grads_at=[4, 26, 41])
 PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both, fp16)
     "offload_param": {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
     "param+optimizer, DeepSpeedCPUAdam": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}},
@@ -39,7 +43,7 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
     for i, (name, config) in enumerate(PAIRS.items()):
         if only not in name:
             continue
-        common = dict(steps=52, skip_at=SKIPS, config=config, events=EVENTS)
+        common = dict(steps=52, skip_at=SKIPS, config=config, events=EVENTS, **GRADS)
         jobs = [Job(job, **common, guard=guard, options=(options or {}) if guard else {}, save_at=[20],
                     save_dir=str(out / f"pair{i}" / f"ckpt-{job}"))
                 for job, guard in (("stock", False), ("z3guard", not control))]

@@ -163,7 +163,7 @@ def test_host_threads_and_fused_step_are_bit_identical_with_ds_cpu_adam_over_52_
     done = launch([Job("stock", **common), Job("threads", guard=True, options={"host_threads": 2}, **common)],
                   runs / "host-threads")
     stock, threads = done.result("stock"), done.result("threads")
-    assert {"host_threads=2", "fused_step"} <= set(threads["fast_paths"])
+    assert {"host_threads=2", "fused_step", "grads_cast_on_host"} <= set(threads["fast_paths"])
     assert threads["optimizer_sub_groups"] >= 3
     assert stock["skipped"] == threads["skipped"] == skips
     diff = compare.first_job_difference(done, "stock", "threads")  # losses, weights, both ranks' optimizers
@@ -204,6 +204,108 @@ def test_fused_update_is_bit_identical_to_ds_cpu_adam_in_three_passes(chunk, mon
                  (stock.state[params[0]]["exp_avg_sq"], fused.state[params[1]]["exp_avg_sq"])]:
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16),
                            b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16))
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_fused_update_reads_noted_gradients_from_their_regions(chunk, monkeypatch):
+    """hostgrads: where the fp32 gradient is only noted (its fp16 region, cast), the fused step reads the
+    region; against stock's three passes over a gradient that was copied over in full. The memory under the
+    noted runs holds NaNs: any read of it shows."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from z3guard.adapter.fusedstep import fused_update
+    from z3guard.adapter.hostgrads import Lazy, Run
+    from z3guard.scenarios.launch import rank_env
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", rank_env("cpu")["TORCH_EXTENSIONS_DIR"])
+    n, gen = 100_003, torch.Generator().manual_seed(4)
+    noted = [(0, 30_000), (30_000, 70_001), (80_000, 80_500)]  # the rest in memory, chunks partly covered
+    start = torch.randn(n, generator=gen)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    lows = [torch.empty(n, dtype=torch.float16) for _ in range(2)]
+    stock, fused = (DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01) for p in params)
+    for step in range(1, 4):
+        region = (torch.randn(n, generator=gen) * 1024).half()
+        factor = 1. / torch.tensor(1024.0 * (1 + step / 7))
+        params[0].grad = region.float()
+        params[1].grad = region.float()
+        for a, b in noted:
+            params[1].grad[a:b] = float("nan")
+        params[0].grad.mul_(factor)
+        stock.step()
+        lows[0].copy_(params[0].data)
+        state = fused.state[params[1]]
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+        state["step"] += 1
+        runs = [Run(a, b, region[a:b]) for a, b in noted]
+        fused_update(fused, fused.param_groups[0], state, params[1].data, params[1].grad, lows[1], factor, chunk,
+                     runs=runs)
+        after = params[1].grad.clone()
+        for a, b in noted:  # what a reader gets after the step: the region, cast, unscaled
+            Lazy(a, region[a:b], scaled_by=factor).write(after)
+        assert torch.equal(after.view(torch.int32), params[0].grad.view(torch.int32))
+    for a, b in [(params[0].data, params[1].data), (lows[0], lows[1]),
+                 (stock.state[params[0]]["exp_avg"], fused.state[params[1]]["exp_avg"]),
+                 (stock.state[params[0]]["exp_avg_sq"], fused.state[params[1]]["exp_avg_sq"])]:
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16),
+                           b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16))
+
+
+def test_fp32_gradients_cast_on_the_host_read_as_stocks_through_deepspeeds_accessors(runs):
+    """Real ZeRO-3 with DeepSpeedCPUAdam: the fp32 gradients are never copied to the host in full (the fused
+    step casts them from the fp16 regions), yet `safe_get_full_grad` before and after each step,
+    `safe_set_full_grad` between backward and step, losses, weights and optimizer states are stock's."""
+    ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"sub_group_size": 5000}}
+    common = dict(steps=14, skip_at=[3, 9], config=ds_adam, read_grads_at=[2, 3, 4, 9, 10, 13],
+                  halve_grads_at=[4, 5, 9, 13])
+    done = launch([Job("stock", **common), Job("fast", guard=True, **common)], runs / "host-grads")
+    fast = done.result("fast")
+    assert "grads_cast_on_host" in fast["fast_paths"]
+    moved = fast["grad_offload"]
+    assert moved["cast_on_host"] == moved["from_device"] > 0
+    assert any(k.startswith("grad/13/after/") for k in done.state("fast"))
+    diff = compare.first_job_difference(done, "stock", "fast")
+    assert diff is None, str(diff)
+
+
+def test_every_reader_of_the_fp32_gradients_is_known():
+    """hostgrads keeps the fp32 gradients as their fp16 regions until something reads them: every method of
+    DeepSpeed's stage 3 that touches them must be one it makes them real before, or one that cannot run
+    beside it. A new DeepSpeed release that adds a reader fails here, not in a user's run."""
+    import ast
+    import inspect
+    import re
+
+    from deepspeed.runtime.zero import stage3
+
+    from z3guard.adapter import hostgrads
+
+    known = {
+        **{name: "materialises first (hostgrads.PATCHED)" for name in hostgrads.PATCHED
+           if name != "finalize_gradient_accumulation_boundary"},  # which writes through the next one
+        "set_fp32_grad_for_param": "through _get_fp32_grad_state_partition",
+        "set_local_grad_for_param": "through _get_fp32_grad_state_partition",
+        "unscale_and_clip_grads": "fusedstep materialises where stock's runs",
+        "_offload_grad_partition_at_boundary": "the writer: materialised before each caller (gradoffload's, "
+                                               "stock's partition_grads, finalize_gradient_accumulation_boundary)",
+        "step": "reads them for Muon only (not fused)",
+        "_apply_muon_updates_cpu_offload": "Muon (not fused)",
+        "_prepare_fp32_grad_for_sub_group": "without offload_optimizer",
+        "independent_gradient_partition_epilogue": "a comment",
+        "initialize_optimizer_states": "at construction",
+        "_unpin_offload_buffers": "at destroy: unpins the buffer, reads no value",
+        "_release_sub_group": "without offload_optimizer, or NVMe swap (not applied)",
+        "_optimizer_states_and_gradient_swap_out": "NVMe swap (not applied)",
+        "_release_swap_buffers": "NVMe swap (not applied)",
+        "_writeback_swap_state": "NVMe swap (not applied)",
+    }
+    source = inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3)
+    found = {f.name for f in ast.parse(source).body[0].body if isinstance(f, ast.FunctionDef)
+             and re.search(r"\.grad\b", seg := ast.get_source_segment(source, f))
+             and ("fp32_partitioned_groups_flat" in seg or "fp32_param" in seg)}
+    assert found == set(known), f"new: {sorted(found - set(known))}, gone: {sorted(set(known) - found)}"
 
 
 def test_fused_step_steps_aside_for_what_expects_ds_cpu_adam_step_to_run(monkeypatch):

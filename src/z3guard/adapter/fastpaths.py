@@ -7,7 +7,7 @@
   (bounded extra device memory), and each chunk is copied straight into the pinned buffer. The cast is
   the same IEEE rounding on either side, so the bytes are identical.
 - gradients to the host: no copy back to the device in the backward, the global norm summed in one
-  read (gradoffload.py).
+  read (gradoffload.py); beside the fused step, no fp32 copy at all: cast on the host (hostgrads.py).
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, gradoffload, overflow, persistent
+from . import fusedstep, gradoffload, hostgrads, overflow, persistent
 from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
@@ -73,6 +73,9 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
     if grad_offload and plain and gradoffload.applicable(opt):  # before the overflow check wraps it
         gradoffload.apply(opt)
         applied.append("grad_offload")
+        if "fused_step" in applied and hostgrads.applicable(opt):  # which reads the fp32 gradients' source
+            hostgrads.apply(opt)
+            applied.append("grads_cast_on_host")
     if overflow_check and hasattr(opt, "grad_partitions_flat_buffer"):
         overflow.apply(opt, trust_norms=plain)
         applied.append("overflow_check")
@@ -93,13 +96,14 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
-           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *gradoffload.PATCHED)
+           *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *gradoffload.PATCHED, *hostgrads.PATCHED)
 
 
 def remove(engine: Any) -> None:
     """Drop the methods `apply` set on the optimizer instance (the class's come back) and every z3guard_
     note; what anything else set there stays."""
     opt = engine.optimizer
+    hostgrads.materialise(opt)  # stock's code reads the fp32 gradients in memory
     ours = set(vars(opt).get("z3guard_set_methods", ()))
     for name in [n for n in vars(opt) if n in ours or n.startswith("z3guard_")]:
         del opt.__dict__[name]

@@ -21,10 +21,13 @@ stays stock's; its profiler label is the one thing the fused step does not keep.
 """
 from __future__ import annotations
 
+import itertools
 import types
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from . import hostgrads
 
 CHUNK_NUMEL = 1 << 20  # 4 MiB of fp32 per tensor; a multiple of every SIMD_WIDTH x 8 (at most 128)
 
@@ -79,6 +82,7 @@ def take_written(opt: Any, sub_group_id: int) -> bool:
 def _unscale_and_clip_grads(self, sub_group_id: int, total_norm) -> None:
     # DeepSpeed 0.19's factor, applied later chunk by chunk.
     if not _steps_plainly(self.optimizer):
+        hostgrads.materialise(self, sub_group_id)  # stock's reads the fp32 gradients in memory
         return self.z3guard_stock_unscale(sub_group_id, total_norm)
     combined_scale = self.loss_scale
     if self.clip_grad > 0.:
@@ -91,6 +95,7 @@ def _unscale_and_clip_grads(self, sub_group_id: int, total_norm) -> None:
 def _optimizer_step(self, sub_group_id: int) -> None:
     pending = self.z3guard_fused.pop(sub_group_id, None)
     if pending is None:  # not after our unscale (a caller of its own): stock
+        hostgrads.materialise(self, sub_group_id)
         return self.z3guard_stock_optimizer_step(sub_group_id)
     _, factor = pending
     adam = self.optimizer
@@ -106,23 +111,49 @@ def _optimizer_step(self, sub_group_id: int) -> None:
     if "step" in vars(adam):  # a torch LR scheduler's counter (see _steps_plainly)
         adam._opt_called = True
     fused_update(adam, group, state, fp32.data, fp32.grad.data, self.fp16_partitioned_groups_flat[sub_group_id].data,
-                 factor)
+                 factor, runs=hostgrads.runs_for_step(self, sub_group_id))
+    hostgrads.stepped(self, sub_group_id, factor)
     self.z3guard_fused[sub_group_id] = "written"
 
 
 def fused_update(adam: Any, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor, low: torch.Tensor,
-                 factor: Any, chunk_numel: int = CHUNK_NUMEL) -> None:
+                 factor: Any, chunk_numel: int = CHUNK_NUMEL, runs: Sequence[hostgrads.Run] = ()) -> None:
     """`grad *= factor`, DeepSpeedCPUAdam's update of `param`, `low.copy_(param)`: chunk by chunk.
-    `state["step"]` is this step's (already incremented)."""
+    `state["step"]` is this step's (already incremented). Where `runs` cover the gradient, it is read
+    from their regions into a scratch chunk instead (hostgrads.py), and `grad` is written only where a
+    chunk is partly covered."""
     from .fastpaths import cast_copy_
 
     beta1, beta2 = group["betas"]
     param, grad, low = param.view(-1), grad.view(-1), low.view(-1)
     exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    scratch = torch.empty(min(chunk_numel, param.numel()), dtype=grad.dtype) if runs else None
+    r = 0  # runs are sorted: the first one that may reach this chunk
     for start in range(0, param.numel(), chunk_numel):
-        chunk = slice(start, start + chunk_numel)
-        grad[chunk].mul_(factor)
+        end = min(start + chunk_numel, param.numel())
+        while r < len(runs) and runs[r].end <= start:
+            r += 1
+        g, mixed = grad[start:end], False
+        if r < len(runs) and runs[r].start < end:
+            g, mixed = _from_runs(scratch[:end - start], grad, runs, r, start, end)
+        g.mul_(factor)
+        if mixed:  # what no run covers stays in memory, unscaled, as stock's in-place unscale leaves it
+            grad[start:end].copy_(g)
         adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
-                                     group["weight_decay"], group["bias_correction"], param[chunk], grad[chunk],
-                                     exp_avg[chunk], exp_avg_sq[chunk])
-        cast_copy_(low[chunk], param[chunk])
+                                     group["weight_decay"], group["bias_correction"], param[start:end], g,
+                                     exp_avg[start:end], exp_avg_sq[start:end])
+        cast_copy_(low[start:end], param[start:end])
+
+
+def _from_runs(g: torch.Tensor, grad: torch.Tensor, runs: Sequence[hostgrads.Run], r: int, start: int,
+               end: int) -> tuple[torch.Tensor, bool]:
+    """The chunk [start, end) of the gradient in `g`, from the runs where they cover it, else from `grad`;
+    and whether some of it came from `grad`."""
+    spans = [(max(run.start, start), min(run.end, end), run) for run in itertools.takewhile(
+        lambda run: run.start < end, runs[r:])]
+    mixed = sum(b - a for a, b, _ in spans) < end - start
+    if mixed:
+        g.copy_(grad[start:end])
+    for a, b, run in spans:
+        g[a - start:b - start].copy_(run.source[a - run.start:b - run.start])
+    return g, mixed

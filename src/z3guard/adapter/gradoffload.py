@@ -6,6 +6,8 @@
   GPT-2 medium) and a device allocation per parameter. The partition it copied from is still on the
   device and holds the same values (same dtype: the bytes are copied, not converted), so at a boundary's
   first micro-step, the one that copies rather than accumulates, the norm and the cast read it instead.
+  Beside the fused step, the fp32 gradient is not copied over at all: it is the host region, cast, and
+  the fused step casts it there (hostgrads.py).
 - At the step, the global norm adds up the per-parameter norms with two device ops each
   (`total += norm ** 2`, 784 launches on GPT-2 medium) before reading the sum back. Here the squares are
   taken in one op and added on the host, in the same order and precision: the same IEEE additions give
@@ -22,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import hostgrads
+
 PATCHED = ("partition_grads", "complete_grad_norm_calculation_for_cpu_offload")  # set by apply
 REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -36,7 +40,7 @@ def apply(opt: Any) -> None:
     """Before overflow.apply, whose note-keeping wraps the `partition_grads` set here."""
     from deepspeed.utils.nvtx import instrument_w_nvtx
 
-    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "norms_summed_on_host": 0}  # what ran
+    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "cast_on_host": 0, "norms_summed_on_host": 0}  # what ran
     opt.z3guard_stock_partition_grads_to_host = opt.partition_grads
     opt.partition_grads = types.MethodType(instrument_w_nvtx(_partition_grads), opt)  # stock's range, kept
     opt.z3guard_stock_offload_norm = opt.complete_grad_norm_calculation_for_cpu_offload
@@ -46,11 +50,13 @@ def apply(opt: Any) -> None:
 def _partition_grads(self, params_to_release: list, grad_partitions: list) -> list:
     # DeepSpeed 0.19's `partition_grads` at a boundary's first micro-step, without the copy back.
     if self.micro_step_id != 0 or not self.is_gradient_accumulation_boundary():
+        hostgrads.materialise(self, params=params_to_release)  # before stock's writes their regions again
         return self.z3guard_stock_partition_grads_to_host(params_to_release, grad_partitions)
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
     regions, synchronized = getattr(self, REGIONS), get_accelerator().is_synchronized_device()
+    lazy = getattr(self, "z3guard_lazy", None)
     norm_dtype = get_norm_dtype()
     buffers = []
     for param, grad_partition in zip(params_to_release, grad_partitions):
@@ -68,7 +74,13 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
         else:  # stock's copy back
             on_device, counted = region.to(grad_partition.device, non_blocking=True), "copied_back"
         self.z3guard_grad_offload[counted] += 1
-        self._offload_grad_partition_at_boundary(param, on_device, {}, {})
+        if counted == "from_device" and lazy is not None:  # the fp32 gradient: the region, cast (hostgrads.py)
+            self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(on_device)
+            hostgrads.defer(self, param, region)
+            self.z3guard_grad_offload["cast_on_host"] += 1
+        else:
+            hostgrads.materialise(self, params=[param])  # a note left from an earlier step: stock writes now
+            self._offload_grad_partition_at_boundary(param, on_device, {}, {})
         if not synchronized and param.grad is not None:
             param.grad.record_stream(get_accelerator().current_stream())
         param.grad = None

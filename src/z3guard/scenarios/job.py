@@ -35,6 +35,8 @@ class Job:
     events: dict[str, list[str]] = field(default_factory=dict)  # "step" -> [gathered|partition|eval]
     regather_after_skip: bool = False  # the workaround users are given: re-gather persistent params
     grad_accum: int = 1
+    read_grads_at: list[int] = field(default_factory=list)  # steps: every full fp32 gradient, before and after step
+    halve_grads_at: list[int] = field(default_factory=list)  # steps: set every gradient to half of itself before step
     config: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # z3guard.GuardOptions fields, when guarded
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
@@ -135,6 +137,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
             result["data_position"] = (z3guard.resumed_state(engine) or {}).get("data_position")
     result["start"] = start
     step = start
+    grads: dict[str, torch.Tensor] = {}  # what DeepSpeed's gradient accessors returned, by step and name
     try:
         for step in range(start + 1, job.steps + 1):
             for micro in range(job.grad_accum):
@@ -148,7 +151,14 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 if step in job.skip_at and micro == job.grad_accum - 1:
                     loss = loss * math.inf
                 engine.backward(loss)
+                last = micro == job.grad_accum - 1
+                if last and step in job.read_grads_at:
+                    grads.update(_full_grads(engine, f"grad/{step}/before"))
+                if last and step in job.halve_grads_at:
+                    _halve_grads(engine)
                 engine.step()
+                if last and step in job.read_grads_at:
+                    grads.update(_full_grads(engine, f"grad/{step}/after"))
             result["losses"][str(step)] = value
             _consume_rng()  # as dropout and augmentation would: resume must continue these streams
             if engine.was_step_applied():  # its clipping norm, compared as losses are (a skip keeps the last)
@@ -207,7 +217,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["module_counts"] = g.trace.module_counts()
         result["forward_steps"] = g.trace.forward_steps
     if result["crash"] is None:
-        result["state"] = gathered_state(engine)
+        result["state"] = {**gathered_state(engine), **grads}
         result["optimizer"] = optimizer_tensors(engine)
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         result["loss_scaler"] = {"scale": float(getattr(scaler, "cur_scale", 1.0)),
@@ -216,6 +226,22 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["rng"] = _consume_rng()
     engine.destroy()
     return result
+
+
+def _full_grads(engine, prefix: str) -> dict[str, torch.Tensor]:
+    """Every parameter's full fp32 gradient as DeepSpeed's accessor gives it (collective)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {f"{prefix}/{name}": safe_get_full_grad(p).detach().cpu().clone()
+            for name, p in engine.module.named_parameters()}
+
+
+def _halve_grads(engine) -> None:
+    """A user's edit of the gradients between backward and step, through DeepSpeed's accessors."""
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    for p in engine.module.parameters():
+        safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
 
 
 def _limit_file_size(limit: int) -> int:
