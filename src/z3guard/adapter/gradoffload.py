@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import hostgrads
+from . import hostgrads, overflow
 
 PATCHED = ("partition_grads", "complete_grad_norm_calculation_for_cpu_offload")  # set by apply
 REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
@@ -76,6 +76,7 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
         self.z3guard_grad_offload[counted] += 1
         if counted == "from_device" and lazy is not None:  # the fp32 gradient: the region, cast (hostgrads.py)
             self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(on_device)
+            overflow.note_norm(self, param, on_device.numel())  # as its wrapper of the stock path does
             hostgrads.defer(self, param, region)
             self.z3guard_grad_offload["cast_on_host"] += 1
         else:

@@ -102,7 +102,13 @@ def _offload_at_boundary(self, param, grad_buffer, *args) -> None:
     # DeepSpeed 0.19's: takes the gradient's norm from `grad_buffer` (what the host region holds) and
     # copies it on to the fp32 gradients. Noted: which norm object covers which region, and how much of it.
     self.z3guard_stock_offload_at_boundary(param, grad_buffer, *args)
-    self.z3guard_normed[param.ds_id] = (self.norm_for_param_grads.get(self.get_param_id(param)), grad_buffer.numel())
+    note_norm(self, param, grad_buffer.numel())
+
+
+def note_norm(opt: Any, param: Any, numel: int) -> None:
+    """Stage 3 just took `param`'s gradient norm over the `numel` elements now in its host region."""
+    if (normed := getattr(opt, "z3guard_normed", None)) is not None:
+        normed[param.ds_id] = (opt.norm_for_param_grads.get(opt.get_param_id(param)), numel)
 
 
 def _partition_grads(self, params_to_release: list, grad_partitions: list):
