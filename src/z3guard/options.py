@@ -36,8 +36,10 @@ class GuardOptions:
     fast_grad_offload: bool = True
     """With `offload_optimizer`: in the backward, take each gradient's norm and fp32 cast from the partition
     still on the device instead of copying it back from the host buffer it was just copied into; at the
-    step, add up the per-parameter norms on the host in stock's order, after one read. Same bytes (the
-    same IEEE additions in the same order); off only to compare with stock."""
+    step, add up the per-parameter norms on the host in stock's order, after one read. Beside the fused
+    step, the fp32 gradients are not copied to the host at all: the fused step casts them from the fp16
+    copy there (an exact cast), and DeepSpeed's gradient accessors get them written first. Same bytes (the
+    same IEEE operations in the same order); off only to compare with stock."""
 
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
