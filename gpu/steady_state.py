@@ -27,8 +27,10 @@ SKIPS = [3, 10, 25, 26, 40]
 # Reads right after `step` returned (what the host step's overlap must wait for), in both runs of a pair.
 EVENTS = {"5": ["gathered"], "11": ["eval"], "26": ["gathered"], "33": ["eval", "gathered"]}
 # DeepSpeed's gradient accessors between backward and step and after it (safe_get_full_grad; halving them
-# with safe_set_full_grad), where the fp32 gradients are cast on the host only when read (since b35).
-GRADS = dict(read_grads_at=[2, 3, 12, 25, 41, 52], halve_grads_at=[4, 26, 41])
+# with safe_set_full_grad), where the fp32 gradients are cast on the host only when read (since b35; reads
+# after a step with none before it, which read the step's noted gradients, since b37).
+GRADS = dict(grads={"2": ["before", "after"], "3": ["after"], "4": ["halve"], "5": ["after"], "12": ["before", "after"],
+                    "25": ["before", "halve", "after"], "26": ["after"], "41": ["halve", "after"], "52": ["after"]})
 PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both, fp16)
     "offload_param": {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
     "param+optimizer, DeepSpeedCPUAdam": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}},

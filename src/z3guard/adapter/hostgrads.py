@@ -14,7 +14,10 @@ Anything else that reads or writes the fp32 gradients first makes the noted ones
 accessors (`safe_get_full_grad`, `safe_set_full_grad`, ...; all of them go through the methods in
 PATCHED, `test_every_reader_of_the_fp32_gradients_is_known` checks that against DeepSpeed's source), stock's
 unscale and optimizer step where the fused step stands aside, stock's `partition_grads` before it writes
-a noted region again, and `fastpaths.remove`.
+a noted region again, and `fastpaths.remove`; `destroy` drops them.
+
+Not bit for bit: the payload of a NaN (a skipped step's gradients, read through an accessor) is the host
+cast's rather than the GPU's; NaN stays NaN.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ class Run:
 
 
 PATCHED = ("_get_fp32_grad_state_partition", "get_fp32_grad_partitions", "update_fp32_grad_for_param_vectorized",
-           "finalize_gradient_accumulation_boundary")
+           "finalize_gradient_accumulation_boundary", "_unpin_offload_buffers")
 
 
 def applicable(opt: Any) -> bool:
@@ -60,15 +63,23 @@ def applicable(opt: Any) -> bool:
 
 def apply(opt: Any) -> None:
     opt.z3guard_lazy = {}  # sub-group -> {param ds_id: Lazy}
+    opt.z3guard_lazy_written = {"for_readers": 0, "stale": 0}  # notes made real, and why
     for name in PATCHED:
-        setattr(opt, name, types.MethodType(_materialising(getattr(opt, name)), opt))
+        before = _forgetting if name == "_unpin_offload_buffers" else materialise
+        setattr(opt, name, types.MethodType(_first(before, getattr(opt, name)), opt))
 
 
-def _materialising(stock: Callable) -> Callable:
+def _first(before: Callable, stock: Callable) -> Callable:
     def method(self, *args, **kwargs):
-        materialise(self)
+        before(self)
         return stock(*args, **kwargs)
     return method
+
+
+def _forgetting(opt: Any) -> None:
+    """At `destroy`, which frees the buffers the notes point into (DS_PIN_MEMORY_BACKEND=native): nothing
+    reads the gradients after it."""
+    opt.z3guard_lazy.clear()
 
 
 def defer(opt: Any, param: Any, region: torch.Tensor) -> None:
@@ -80,13 +91,18 @@ def defer(opt: Any, param: Any, region: torch.Tensor) -> None:
 def materialise(opt: Any, sub_group: int | None = None, params: list | None = None) -> None:
     """Write the noted fp32 gradients (of one sub-group, or of `params`, or all) into host memory."""
     lazy = getattr(opt, "z3guard_lazy", None)
-    if not lazy:
+    if not any((lazy or {}).values()):
         return
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().resolves_data_dependency():  # the regions' copies may still be in flight
+        opt.reduce_and_partition_stream.synchronize()
     ids = None if params is None else {p.ds_id for p in params}
     for i in [sub_group] if sub_group is not None else list(lazy):
         entries = lazy.get(i, {})
         for ds_id in [d for d in entries if ids is None or d in ids]:
             entries.pop(ds_id).write(opt.fp32_partitioned_groups_flat[i].grad.view(-1))
+            opt.z3guard_lazy_written["for_readers"] += 1
 
 
 def runs_for_step(opt: Any, sub_group: int) -> list[Run]:
@@ -97,6 +113,7 @@ def runs_for_step(opt: Any, sub_group: int) -> list[Run]:
     stale = [p for p, e in entries.items() if e.scaled_by is not None]
     for ds_id in stale:
         entries.pop(ds_id).write(opt.fp32_partitioned_groups_flat[sub_group].grad.view(-1))
+        opt.z3guard_lazy_written["stale"] += 1
     runs: list[Run] = []
     for e in sorted(entries.values(), key=lambda e: e.dest):
         last = runs[-1] if runs else None

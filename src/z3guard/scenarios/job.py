@@ -35,8 +35,9 @@ class Job:
     events: dict[str, list[str]] = field(default_factory=dict)  # "step" -> [gathered|partition|eval]
     regather_after_skip: bool = False  # the workaround users are given: re-gather persistent params
     grad_accum: int = 1
-    read_grads_at: list[int] = field(default_factory=list)  # steps: every full fp32 gradient, before and after step
-    halve_grads_at: list[int] = field(default_factory=list)  # steps: set every gradient to half of itself before step
+    # "step" -> what to do with the gradients through DeepSpeed's accessors, in this order: "before" (read
+    # every full fp32 gradient before `step`), "halve" (set each to half of itself), "after" (read after `step`)
+    grads: dict[str, list[str]] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # z3guard.GuardOptions fields, when guarded
     preregister: bool = False  # register the scenario's cross-module reads by hand (stock workaround)
@@ -137,7 +138,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
             result["data_position"] = (z3guard.resumed_state(engine) or {}).get("data_position")
     result["start"] = start
     step = start
-    grads: dict[str, torch.Tensor] = {}  # what DeepSpeed's gradient accessors returned, by step and name
+    read: dict[str, torch.Tensor] = {}  # what DeepSpeed's gradient accessors returned, by step and name
     try:
         for step in range(start + 1, job.steps + 1):
             for micro in range(job.grad_accum):
@@ -151,14 +152,14 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 if step in job.skip_at and micro == job.grad_accum - 1:
                     loss = loss * math.inf
                 engine.backward(loss)
-                last = micro == job.grad_accum - 1
-                if last and step in job.read_grads_at:
-                    grads.update(_full_grads(engine, f"grad/{step}/before"))
-                if last and step in job.halve_grads_at:
+                actions = job.grads.get(str(step), []) if micro == job.grad_accum - 1 else []
+                if "before" in actions:
+                    read.update(_full_grads(engine, f"grad/{step}/before"))
+                if "halve" in actions:
                     _halve_grads(engine)
                 engine.step()
-                if last and step in job.read_grads_at:
-                    grads.update(_full_grads(engine, f"grad/{step}/after"))
+                if "after" in actions:
+                    read.update(_full_grads(engine, f"grad/{step}/after"))
             result["losses"][str(step)] = value
             _consume_rng()  # as dropout and augmentation would: resume must continue these streams
             if engine.was_step_applied():  # its clipping norm, compared as losses are (a skip keeps the last)
@@ -210,6 +211,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["fast_paths"] = g.fast_paths
         result["overflow_reads"] = dict(getattr(engine.optimizer, "z3guard_overflow_reads", {}))
         result["grad_offload"] = dict(getattr(engine.optimizer, "z3guard_grad_offload", {}))
+        result["grads_written"] = dict(getattr(engine.optimizer, "z3guard_lazy_written", {}))  # hostgrads' notes
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
@@ -217,7 +219,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["module_counts"] = g.trace.module_counts()
         result["forward_steps"] = g.trace.forward_steps
     if result["crash"] is None:
-        result["state"] = {**gathered_state(engine), **grads}
+        result["state"] = {**gathered_state(engine), **read}
         result["optimizer"] = optimizer_tensors(engine)
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         result["loss_scaler"] = {"scale": float(getattr(scaler, "cur_scale", 1.0)),
