@@ -19,12 +19,13 @@ def test_fp32_gradients_cast_on_the_host_read_as_stocks_through_deepspeeds_acces
     ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                "zero_optimization": {"sub_group_size": 5000}}
     clip = dict(steps=14, skip_at=[3, 9], config=ds_adam,
-                grads={"2": ["before"], "3": ["after"], "4": ["halve", "after"], "5": ["after"], "9": ["before", "halve"],
-                       "10": ["after"], "13": ["before", "halve", "after"]})
-    skipping = dict(scenario="skip-block", steps=10, config=ds_adam, grads={"4": ["after"], "5": ["after"], "8": ["before"]})
+                grads={"2": ["before"], "3": ["after"], "4": ["halve", "after"], "5": ["after"],
+                       "9": ["before", "halve"], "10": ["after"], "13": ["before", "halve", "after"]})
+    skipping = dict(scenario="skip-block", steps=10, config=ds_adam,
+                    grads={"4": ["after"], "5": ["after"], "8": ["before"]})
     accumulating = dict(steps=6, grad_accum=2, skip_at=[3], config=ds_adam, grads={"4": ["before", "after"]})
-    jobs = [Job(f"{name}-{kind}", guard=kind == "fast", **common)
-            for name, common in (("clip", clip), ("skip", skipping), ("accum", accumulating)) for kind in ("stock", "fast")]
+    jobs = [Job(f"{name}-{kind}", guard=kind == "fast", **common) for kind in ("stock", "fast")
+            for name, common in (("clip", clip), ("skip", skipping), ("accum", accumulating))]
     done = launch(jobs, runs / "host-grads")
     fast = done.result("clip-fast")
     assert "grads_cast_on_host" in fast["fast_paths"]

@@ -40,7 +40,8 @@ def apply(opt: Any) -> None:
     """Before overflow.apply, whose note-keeping wraps the `partition_grads` set here."""
     from deepspeed.utils.nvtx import instrument_w_nvtx
 
-    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "cast_on_host": 0, "norms_summed_on_host": 0}  # what ran
+    opt.z3guard_grad_offload = {"from_device": 0, "copied_back": 0, "cast_on_host": 0,  # what ran
+                                "norms_summed_on_host": 0}
     opt.z3guard_stock_partition_grads_to_host = opt.partition_grads
     opt.partition_grads = types.MethodType(instrument_w_nvtx(_partition_grads), opt)  # stock's range, kept
     opt.z3guard_stock_offload_norm = opt.complete_grad_norm_calculation_for_cpu_offload
