@@ -91,19 +91,21 @@ def defer(opt: Any, param: Any, region: torch.Tensor) -> None:
 
 def materialise(opt: Any, sub_group: int | None = None, params: list | None = None) -> None:
     """Write the noted fp32 gradients (of one sub-group, or of `params`, or all) into host memory."""
-    lazy = getattr(opt, "z3guard_lazy", None)
-    if not any((lazy or {}).values()):
+    lazy = getattr(opt, "z3guard_lazy", None) or {}
+    if params is not None:
+        due = [(i, p.ds_id) for p in params
+               if p.ds_id in lazy.get(i := opt.grad_position[opt.get_param_id(p)][0], {})]
+    else:
+        due = [(i, d) for i in ([sub_group] if sub_group is not None else list(lazy)) for d in lazy.get(i, {})]
+    if not due:
         return
     from deepspeed.accelerator import get_accelerator
 
     if not get_accelerator().resolves_data_dependency():  # the regions' copies may still be in flight
         opt.reduce_and_partition_stream.synchronize()
-    ids = None if params is None else {p.ds_id for p in params}
-    for i in [sub_group] if sub_group is not None else list(lazy):
-        entries = lazy.get(i, {})
-        for ds_id in [d for d in entries if ids is None or d in ids]:
-            entries.pop(ds_id).write(opt.fp32_partitioned_groups_flat[i].grad.view(-1))
-            opt.z3guard_lazy_written["for_readers"] += 1
+    for i, ds_id in due:
+        lazy[i].pop(ds_id).write(opt.fp32_partitioned_groups_flat[i].grad.view(-1))
+        opt.z3guard_lazy_written["for_readers"] += 1
 
 
 def runs_for_step(opt: Any, sub_group: int) -> list[Run]:
