@@ -63,13 +63,13 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
                  "(ZenFlow's overlapped step does that); DeepSpeed's own code runs", ", ".join(replaced))
         return []
     applied = []
+    plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")
-        if fused_step and fusedstep.fusable(opt):  # it does the write-back's cast: only beside it
+        if fused_step and plain and fusedstep.fusable(opt):  # it does the write-back's cast: only beside it
             fusedstep.apply(opt)
             applied.append("fused_step")
-    plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     if grad_offload and plain and gradoffload.applicable(opt):  # before the overflow check wraps it
         gradoffload.apply(opt)
         applied.append("grad_offload")

@@ -33,15 +33,14 @@ CHUNK_NUMEL = 1 << 20  # 4 MiB of fp32 per tensor; a multiple of every SIMD_WIDT
 
 
 def fusable(opt: Any) -> bool:
-    """Plain stage 3 with every sub-group's fp32 state and fp16 partition in host memory (`offload_param`
-    + `offload_optimizer`, the configuration measured), stepped by DeepSpeedCPUAdam."""
+    """On plain stage 3 (fastpaths._is_plain_stage3, which leaves ZenFlow out), with every sub-group's fp32
+    state and fp16 partition in host memory (`offload_param` + `offload_optimizer`, the configuration
+    measured), stepped by DeepSpeedCPUAdam."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    return (type(opt) is DeepSpeedZeroOptimizer_Stage3 and type(getattr(opt, "optimizer", None)) is DeepSpeedCPUAdam
+    return (type(getattr(opt, "optimizer", None)) is DeepSpeedCPUAdam
             and bool(getattr(opt, "offload_optimizer", False)) and not getattr(opt, "swap_optimizer", False)
-            and not getattr(opt, "zenflow", False) and not getattr(opt, "use_muon", False)
-            and getattr(opt, "torch_autocast_gradscaler", None) is None
+            and not getattr(opt, "use_muon", False) and getattr(opt, "torch_autocast_gradscaler", None) is None
             and all(getattr(opt, "subgroup_to_device", {}).get(i) == "cpu" and flat is not None
                     and flat.device.type == "cpu" for i, flat in enumerate(opt.fp16_partitioned_groups_flat)))
 
