@@ -85,8 +85,8 @@ def test_every_reader_of_the_fp32_gradients_is_known():
     from z3guard.adapter import hostgrads
 
     known = {  # methods touching the fp32 gradients
-        **{name: "materialises first (hostgrads.PATCHED)" for name in hostgrads.PATCHED
-           if name not in ("finalize_gradient_accumulation_boundary", "_unpin_offload_buffers")},
+        **{name: "materialises first" for name in hostgrads.MATERIALISED_BEFORE
+           if name != "finalize_gradient_accumulation_boundary"},  # which writes through the next one
         "unscale_and_clip_grads": "fusedstep materialises where stock's runs",
         "_offload_grad_partition_at_boundary": "the writer: materialised before each caller (gradoffload's, "
                                                "stock's partition_grads, finalize_gradient_accumulation_boundary)",
@@ -103,10 +103,12 @@ def test_every_reader_of_the_fp32_gradients_is_known():
     regions = {  # methods touching the fp16 regions the notes read
         "_setup_for_real_optimizer": "at construction",
         "partition_grads": "writes them: gradoffload materialises their notes before stock's runs",
-        "_finalize_offload_gradient_accumulation": "through finalize_gradient_accumulation_boundary (PATCHED)",
+        "_finalize_offload_gradient_accumulation": "through finalize_gradient_accumulation_boundary, which "
+                                                   "materialises first",
         "independent_gradient_partition_epilogue": "without offload_optimizer",
         "has_overflow": "reads them",
-        "_get_fp32_grad_state_partition": "PATCHED", "update_fp32_grad_for_param_vectorized": "PATCHED",
+        "_get_fp32_grad_state_partition": "materialises first",
+        "update_fp32_grad_for_param_vectorized": "materialises first",
         "_unpin_offload_buffers": "at destroy: the notes are dropped first",
         "offload_states": "moves them (a note keeps its storage, whose values stay)",
         "reload_states": "moves them back (likewise)",

@@ -13,9 +13,9 @@ still "the region, cast, times the step's factor", as stock's in-place unscale l
 
 Anything else that reads or writes the fp32 gradients first makes the noted ones real: DeepSpeed's
 accessors (`safe_get_full_grad`, `safe_set_full_grad`, ...; all of them go through the methods in
-PATCHED, `test_every_reader_of_the_fp32_gradients_is_known` checks that against DeepSpeed's source), stock's
-unscale and optimizer step where the fused step stands aside, stock's `partition_grads` before it writes
-a noted region again, and `fastpaths.remove`; `destroy` drops them.
+MATERIALISED_BEFORE, `test_every_reader_of_the_fp32_gradients_is_known` checks that against DeepSpeed's
+source), stock's unscale and optimizer step where the fused step stands aside, stock's `partition_grads`
+before it writes a noted region again, and `fastpaths.remove`; `destroy` drops them.
 
 Not bit for bit: the payload of a NaN (a skipped step's gradients, read through an accessor) is the host
 cast's rather than the GPU's; NaN stays NaN.
@@ -53,8 +53,10 @@ class Run:
     source: torch.Tensor  # flat, end - start elements
 
 
-PATCHED = ("_get_fp32_grad_state_partition", "get_fp32_grad_partitions", "update_fp32_grad_for_param_vectorized",
-           "finalize_gradient_accumulation_boundary", "_unpin_offload_buffers")
+MATERIALISED_BEFORE = ("_get_fp32_grad_state_partition", "get_fp32_grad_partitions",
+                       "update_fp32_grad_for_param_vectorized", "finalize_gradient_accumulation_boundary")
+DROPPED_BEFORE = ("_unpin_offload_buffers",)  # at destroy, which frees the buffers the notes point into
+PATCHED = MATERIALISED_BEFORE + DROPPED_BEFORE
 
 
 def applicable(opt: Any) -> bool:
@@ -65,9 +67,9 @@ def applicable(opt: Any) -> bool:
 def apply(opt: Any) -> None:
     opt.z3guard_lazy = {}  # sub-group -> {param ds_id: Lazy}
     opt.z3guard_lazy_written = {"for_readers": 0, "stale": 0}  # notes made real, and why
-    for name in PATCHED:
-        before = _forgetting if name == "_unpin_offload_buffers" else materialise
-        setattr(opt, name, types.MethodType(_first(before, getattr(opt, name)), opt))
+    for names, before in ((MATERIALISED_BEFORE, materialise), (DROPPED_BEFORE, _forgetting)):
+        for name in names:
+            setattr(opt, name, types.MethodType(_first(before, getattr(opt, name)), opt))
 
 
 def _first(before: Callable, stock: Callable) -> Callable:
@@ -78,8 +80,7 @@ def _first(before: Callable, stock: Callable) -> Callable:
 
 
 def _forgetting(opt: Any) -> None:
-    """At `destroy`, which frees the buffers the notes point into (DS_PIN_MEMORY_BACKEND=native): nothing
-    reads the gradients after it."""
+    """Nothing reads the gradients after `destroy` (whose buffers DS_PIN_MEMORY_BACKEND=native frees)."""
     opt.z3guard_lazy.clear()
 
 
@@ -92,6 +93,8 @@ def defer(opt: Any, param: Any, region: torch.Tensor) -> None:
 def materialise(opt: Any, sub_group: int | None = None, params: list | None = None) -> None:
     """Write the noted fp32 gradients (of one sub-group, or of `params`, or all) into host memory."""
     lazy = getattr(opt, "z3guard_lazy", None) or {}
+    if not any(lazy.values()):  # nothing noted (or hostgrads not applied): no per-parameter lookups
+        return
     if params is not None:
         due = [(i, p.ds_id) for p in params
                if p.ds_id in lazy.get(i := opt.grad_position[opt.get_param_id(p)][0], {})]
