@@ -101,7 +101,8 @@ def main(device: str = "cuda", warmup: int = 10, steps: int = 10, repeats: int =
     swept = _sweep(opt, fusedstep, stock_update, sweep, sweep_steps, one, warmup + 1 + steps) if sweep else {}
     record = {"rank": rank, "fast_paths": z3guard.guard(engine).fast_paths, "step_ms": 1e3 * statistics.median(step_s),
               "in_step_ms": {k: 1e3 * statistics.median(d[k] for d in per_step) for k in ("unscale", "adam", "cast")},
-              "sweep": swept, **seen, "process_threads": len(os.listdir("/proc/self/task")), "affinity": len(os.sched_getaffinity(0)),
+              "sweep": swept, **seen, "process_threads": len(os.listdir("/proc/self/task")),
+              "affinity": len(os.sched_getaffinity(0)),
               "openmp": [{k: i.get(k) for k in ("filepath", "num_threads", "user_api")}
                          for i in threadpoolctl.threadpool_info()]}
     n = (getattr(opt, "z3guard_threads", None) or (None, 0))[1] or torch.get_num_threads()

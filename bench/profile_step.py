@@ -123,23 +123,13 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
 
 
 def _grad_offload_switch(opt):
-    """Turns fast_grad_offload on or off between steps of one engine (`--alternate`): an A/B whose halves
-    interleave, so the host's drift, which moves whole runs by tens of ms (docs/benchmarks.md), falls on
-    both alike. It swaps what the path replaced for stock's, under the overflow check's wrapper."""
-    from z3guard.adapter import hostgrads
+    """fast_grad_offload on or off between steps of one engine (`--alternate`)."""
+    from z3guard.adapter import gradoffload
 
-    if not hasattr(opt, "z3guard_stock_partition_grads_to_host"):
-        raise SystemExit("--alternate: fast_grad_offload is not applied to this engine (a z3guard variant with "
-                         "offload_optimizer is needed)")
-    fast = (opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload)
-    stock = (opt.z3guard_stock_partition_grads_to_host, opt.z3guard_stock_offload_norm)
-
-    def switch(on: bool) -> None:
-        if not on:  # stock's backward writes the fp32 gradients itself: none may stay noted (hostgrads.py)
-            hostgrads.materialise(opt)
-        opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload = fast if on else stock
-
-    return switch
+    try:
+        return gradoffload.switch(opt)
+    except ValueError as err:
+        raise SystemExit(f"--alternate: {err}") from None
 
 
 def _medians(phases: dict[str, list[float]], steps: int) -> dict[str, float]:

@@ -39,7 +39,8 @@ def plan(models: list[str], variants: list[str], offload_runs: bool) -> list[dic
 
 def table(records: list[dict]) -> Table:
     isolated = all(r.get("isolated") for r in records)
-    t = Table(title=f"ZeRO-3 step time, side by side ({'a process group per run' if isolated else 'one process group'})")
+    groups = "a process group per run" if isolated else "one process group"
+    t = Table(title=f"ZeRO-3 step time, side by side ({groups})")
     host = "host peak GiB" if isolated else "host RSS GiB"  # one process for all runs: RSS only grows
     for col in ("model", "offload", "variant", "median ms", "fwd / bwd / step ms", "x stock", "tokens/s",
                 "peak GPU GiB", host, "invalidations", "switches"):

@@ -97,7 +97,8 @@ def main(device: str = "cuda", out: Path = Path("/tmp/steady"),
     if steps:
         console.print(m)
     console.print({k: mem.get(k) for k in ("trace", "divergence_steps", "error")})
-    (out / "steady_state.json").write_text(json.dumps({"device": device, "bit_identity": rows, "memory": mem}, indent=1))
+    record = {"device": device, "bit_identity": rows, "memory": mem}
+    (out / "steady_state.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ not one device's scalars) runs stock's code.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -46,6 +46,25 @@ def apply(opt: Any) -> None:
     opt.partition_grads = types.MethodType(instrument_w_nvtx(_partition_grads), opt)  # stock's range, kept
     opt.z3guard_stock_offload_norm = opt.complete_grad_norm_calculation_for_cpu_offload
     opt.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_offload_norm, opt)
+
+
+def switch(opt: Any) -> Callable[[bool], None]:
+    """A toggle between this module's two methods and stock's on one engine, between steps: an A/B whose
+    halves interleave (bench/profile_step.py --alternate), so a host's drift falls on both alike. The
+    backward's method is the one overflow.py's wrapper calls; stock's writes the fp32 gradients itself,
+    so nothing may stay noted when it takes over."""
+    if not hasattr(opt, "z3guard_stock_partition_grads_to_host"):
+        raise ValueError("fast_grad_offload is not applied to this engine (offload_optimizer with z3guard's "
+                         "fast paths is needed)")
+    fast = (opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload)
+    stock = (opt.z3guard_stock_partition_grads_to_host, opt.z3guard_stock_offload_norm)
+
+    def use(on: bool) -> None:
+        if not on:
+            hostgrads.materialise(opt)
+        opt.z3guard_stock_partition_grads, opt.complete_grad_norm_calculation_for_cpu_offload = fast if on else stock
+
+    return use
 
 
 def _partition_grads(self, params_to_release: list, grad_partitions: list) -> list:
