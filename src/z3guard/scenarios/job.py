@@ -88,16 +88,18 @@ def build_config(job: Job, scenario: catalog.Scenario, world: int) -> dict[str, 
 
 
 def gathered_state(engine) -> dict[str, torch.Tensor]:
-    """Full fp32 master weights and model-dtype weights, by parameter name (collective)."""
+    """Full fp32 master weights and model-dtype weights, by parameter name (collective).
+
+    One parameter per gather: DeepSpeed 0.14's coalesced gather waits for the last of its gloo
+    all-gathers only (`_allgather_params_coalesced`; fixed by 0.19), so on CPU a gather of several
+    parameters could hand back one still being written. A single parameter's gather is blocking."""
     from deepspeed.utils import safe_get_full_fp32_param
     import deepspeed
 
     out: dict[str, torch.Tensor] = {}
-    params = dict(engine.module.named_parameters())
-    for name, p in params.items():
+    for name, p in engine.module.named_parameters():
         out[f"master/{name}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        for name, p in params.items():
+        with deepspeed.zero.GatheredParameters([p]):
             out[f"weight/{name}"] = p.detach().cpu().clone()
     return out
 
