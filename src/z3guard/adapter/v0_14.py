@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from .common import P, GuardedCoordinator, ZeroAdapter
 
 
@@ -30,6 +32,17 @@ class V0_14(ZeroAdapter):
 
     def inflight_registries(self, engine: Any) -> list[dict]:
         return list(engine.module.ds_inflight_param_registry.values())
+
+    def gather(self, params: list[nn.Parameter]) -> None:
+        """One parameter per all-gather on CPU: 0.14's coalesced gather waits for the last of its
+        all-gathers only, and on gloo, where its closing synchronize does nothing, the others may still
+        be writing (0.19 waits for each). A single parameter's gather blocks until it is done."""
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            return super().gather(params)
+        for param in params:
+            param.all_gather(param_list=[param])
 
 
 ADAPTER = V0_14()
