@@ -39,7 +39,7 @@ test-main: $(STAMP)
 	$(PY) -m pytest -q tests
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT)/bin/python -m pytest -q tests/test_matrix.py tests/test_gather.py
+	$(COMPAT)/bin/python -m pytest -q tests/test_matrix.py tests/test_gather.py tests/test_contract.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT) runs

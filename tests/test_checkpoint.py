@@ -193,3 +193,20 @@ def test_a_read_only_folder_is_refused_before_anything_is_written(tmp_path, monk
     problem = _target_problem(root, root / "step9")
     assert problem == f"{root}: not writable, cannot save checkpoint 'step9' there."
     assert list(root.iterdir()) == []
+
+
+def test_a_save_lock_is_held_only_by_a_live_process_of_this_host(tmp_path):
+    """A requeued job on another host may find a lock whose pid is alive here by chance: not a holder."""
+    import os
+    import socket
+
+    from z3guard.checkpoint.engine import _claim
+
+    lock = tmp_path / "step3.lock"
+    for text, refused in ((f"{socket.gethostname()}:{os.getppid()}", True), (str(os.getppid()), True),
+                          (f"other-host:{os.getppid()}", False), (f"{socket.gethostname()}:{os.getpid()}", False)):
+        lock.write_text(text)
+        problem = _claim(tmp_path, "step3")
+        assert (problem is not None) == refused, text
+        if refused:
+            assert f"(process {os.getppid()})" in problem

@@ -8,10 +8,13 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .diagnose import Divergence
 from .options import GuardOptions
+
+if TYPE_CHECKING:
+    from .engine_guard import EngineGuard
 
 __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "guard", "report", "summary", "set_data_position", "resumed_state",
@@ -48,7 +51,7 @@ def uninstall() -> None:
     _state["options"] = GuardOptions()
 
 
-def guard(engine: Any, options: GuardOptions | None = None):
+def guard(engine: Any, options: GuardOptions | None = None) -> "EngineGuard | None":
     """Guard an existing engine; returns its EngineGuard (None if the engine is not ZeRO-3). Idempotent."""
     from . import adapter
     from .engine_guard import EngineGuard
@@ -79,13 +82,18 @@ def report(engine: Any) -> list[Divergence]:
 
 
 def summary(engine: Any) -> str:
+    """A readable account of the engine's trace divergences (what `report` returns, as text)."""
     g = _GUARDED.get(engine)
     return g.summary() if g is not None else "z3guard: engine not guarded"
 
 
 def set_data_position(engine: Any, position: Any) -> None:
     """Where the data loader stands (any picklable object); saved per rank with the next checkpoint."""
-    guard(engine).checkpoint.data_position = position
+    g = guard(engine)
+    if g is None:
+        raise ValueError("z3guard.set_data_position: this engine is not ZeRO stage 3, so z3guard does not save its "
+                         "checkpoints; set \"zero_optimization\": {\"stage\": 3} or keep the position yourself.")
+    g.checkpoint.data_position = position
 
 
 def resumed_state(engine: Any) -> dict[str, Any] | None:

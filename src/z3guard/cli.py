@@ -32,6 +32,24 @@ class Dtype(str, Enum):
     bf16 = "bf16"
 
 
+def _check_scenario(scenario: str, model: str | None, batch: str | None, hidden: int,
+                    hf: Path | None = None) -> None:
+    """Resolve the scenario here, as the ranks will (`python -m` imports from the current directory), so
+    that a wrong name or factory is reported against its flag before any rank starts."""
+    import os
+    import sys
+
+    from .scenarios import catalog
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        catalog.resolve(scenario, model, batch, hidden, str(hf) if hf else None)
+    except (KeyError, ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc).strip('"')) from exc
+    finally:
+        sys.path.remove(os.getcwd())
+
+
 @contextmanager
 def _tracking(total: int) -> Iterator[Callable[[str, int], None]]:
     """A progress bar per job while the ranks run; yields the launcher's on_progress callback."""
@@ -70,10 +88,10 @@ def repro(
         raise typer.BadParameter(f"--overflow must be forced or natural, got {overflow!r}")
     plan = r.ReproPlan(dtype=dtype.value, device=device.value, nproc=nproc, save_after=save_after,
                        skip_at=skip_at, steps=steps, out=out, overflow=overflow)
-    from importlib.metadata import version
+    from .adapter import installed_release
 
     console.print(f"[bold]z3guard repro[/]: CLIP-style model, ZeRO-3 + CPU offload, {dtype.value}, "
-                  f"{nproc} ranks on {device.value}, DeepSpeed {version('deepspeed')}; save after step "
+                  f"{nproc} ranks on {device.value}, DeepSpeed {installed_release()}; save after step "
                   f"{save_after}, resume, step {skip_at} overflows ({overflow})")
     with _tracking(steps) as on_progress:
         verdict = r.run(plan, on_progress)
@@ -108,6 +126,11 @@ def verify_resume(
 ) -> None:
     """Train N steps straight and as K + save + resume + (N-K); compare everything bit for bit."""
     from .scenarios import verify as v
+
+    if not 0 < save_after < steps:
+        raise typer.BadParameter(f"need 0 < --save-after < --steps (something to compare after the resume), "
+                                 f"got --save-after {save_after}, --steps {steps}")
+    _check_scenario(scenario, model, batch, hidden)
 
     plan = v.VerifyPlan(scenario=scenario, dtype=dtype.value, device=device.value, nproc=nproc, steps=steps,
                         save_after=save_after, skip_at=tuple(skip_at), guard=guard, model=model, batch=batch,
@@ -174,6 +197,8 @@ def doctor(
 ) -> None:
     """Find the ZeRO-3 trace hazards in a model: names, causes, what crashes stock, and the fixes."""
     from . import doctor as d
+
+    _check_scenario(scenario, model, batch, hidden, hf)
 
     plan = d.DoctorPlan(scenario=scenario, model=model, batch=batch, hf_path=str(hf) if hf else None,
                         hidden=hidden, nproc=nproc, verify=verify, out=out)

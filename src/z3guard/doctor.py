@@ -79,7 +79,7 @@ def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None)
                       **common)]
     second = run_jobs(stock, plan.out / "stock", nproc=plan.nproc, on_progress=on_progress)
     outcome = {j.name: _outcome(second.result(j.name)) for j in stock}
-    hazards = _hazards(seen, pairs, outcome)
+    hazards = _hazards(seen, pairs, {k: second.result(k).get("crash") for k in EVENTS})
     verified = None
     if plan.verify:
         verified = outcome["verify-skip"] == "ok" and outcome["verify-gathered"] == "ok"
@@ -93,8 +93,13 @@ def _outcome(result: dict) -> str:
     return "ok" if crash is None else f"crashed at step {crash['step']}: {crash['summary']}"
 
 
-def _hazards(seen: dict, pairs: list[tuple[str, str]], outcome: dict[str, str]) -> list[Hazard]:
-    crashes = [EVENTS[k] for k in EVENTS if outcome.get(k, "ok") != "ok"]
+def _crashed_on(crashes: dict[str, dict | None], module: str, params: list[str]) -> list[str]:
+    """The events whose stock crash names this module or one of these parameters (or names neither)."""
+    return [EVENTS[k] for k, c in crashes.items() if c is not None and
+            (c.get("module") in (None, module) or set(c.get("params") or ()) & set(params))]
+
+
+def _hazards(seen: dict, pairs: list[tuple[str, str]], crashes: dict[str, dict | None]) -> list[Hazard]:
     persistent = {r["param"] for r in seen.get("reads", []) if r["persistent"]}
     sources = {(r["module"], r["param"]): r["source"] for r in seen.get("reads", [])}
     pattern = {(r["module"], r["param"]): r for r in seen.get("read_pattern", [])}
@@ -106,11 +111,11 @@ def _hazards(seen: dict, pairs: list[tuple[str, str]], outcome: dict[str, str]) 
         fix = [f"deepspeed.zero.register_external_parameter({Names.attr_path(module)}, {Names.attr_path(p)})"
                for p in params]
         hazards.append(Hazard("cross-module read", module, params, sorted(set(params) & persistent),
-                              sources.get((module, params[0])), crashes, True, fix))
+                              sources.get((module, params[0])), _crashed_on(crashes, module, params), True, fix))
         some = [p for p in params if pattern.get((module, p), {}).get("steps", 0) < seen.get("forward_steps", 0)]
         if some:
             hazards.append(Hazard("read on some steps", module, some, sorted(set(some) & persistent),
-                                  sources.get((module, some[0])), crashes, True, fix))
+                                  sources.get((module, some[0])), _crashed_on(crashes, module, some), True, fix))
     orders = {(d["module"], d["expected"]) for d in seen.get("divergences", []) if d["kind"] == "order"}
     for module, expected in sorted(orders):
         hazards.append(Hazard("order changes", module, [], [], None, [], True,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from .adapter.base import Adapter
 from .checkpoint.engine import CheckpointGuard
@@ -14,6 +14,8 @@ log = logging.getLogger("z3guard")
 
 
 class EngineGuard:
+    """The trace guard, the checkpoint guard and the fast paths of one engine; all or none are applied."""
+
     def __init__(self, engine: Any, adapter: Adapter, options: GuardOptions):
         self.engine = engine
         self.adapter = adapter
@@ -21,10 +23,19 @@ class EngineGuard:
         self.names = Names(engine.module)
         rank0 = _rank() == 0
         self.diagnostics = Diagnostics(warn=options.warn and rank0)
-        self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics)
-        adapter.guard_coordinator(engine, self.trace)
-        self.checkpoint = CheckpointGuard(engine, adapter)
-        self.fast_paths = adapter.apply_fast_paths(engine, options)
+        undo: list[Callable[[], None]] = []
+        try:  # a failure part-way undoes what was applied: never a half-guarded engine
+            self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics)
+            undo.append(self.trace.remove)
+            adapter.guard_coordinator(engine, self.trace)
+            undo.append(lambda: adapter.unguard_coordinator(engine))
+            self.checkpoint = CheckpointGuard(engine, adapter)
+            undo.append(self.checkpoint.remove)
+            self.fast_paths = adapter.apply_fast_paths(engine, options)
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
         if rank0 and self.fast_paths:
             log.info("z3guard: offload fast paths on: %s", ", ".join(self.fast_paths))
 
@@ -43,6 +54,6 @@ class EngineGuard:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    from .checkpoint import dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.rank()

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 
 from packaging.version import Version
 
 from .base import Adapter
 
-# (first release, first release no longer covered, adapter module). Each range was tested, not assumed.
-SUPPORTED: list[tuple[str, str, str]] = [
-    ("0.9.1", "0.10.0", "v0_9"),  # GPU only (no CPU accelerator in 0.9): validated on 2 H200s
-    ("0.14.4", "0.15.0", "v0_14"),
-    ("0.19.8", "0.20.0", "v0_19"),
-]
+# Each release here passed z3guard's tests (0.19.8 and 0.14.4 in CI on CPU; all three on 2 GPUs); a new
+# release is added here, with the adapter module that fits it, once its tests pass. Others are refused:
+# the adapters replace DeepSpeed internals that a patch release may change.
+SUPPORTED: dict[str, str] = {"0.9.1": "v0_9", "0.14.4": "v0_14", "0.19.8": "v0_19"}
 
 
 class UnsupportedDeepSpeed(RuntimeError):
@@ -21,17 +20,28 @@ class UnsupportedDeepSpeed(RuntimeError):
 
 
 def supported_releases() -> str:
-    return ", ".join(f">={lo},<{hi}" for lo, hi, _ in SUPPORTED)
+    return ", ".join(SUPPORTED)
 
 
 def adapter_for(release: str) -> str:
-    v = Version(release)
-    for lo, hi, module in SUPPORTED:
-        if Version(lo) <= v < Version(hi):
-            return module
-    raise UnsupportedDeepSpeed(
-        f"z3guard does not support DeepSpeed {release}; supported releases: {supported_releases()}. "
-        "Nothing was patched. Install a supported release, or run without z3guard.")
+    """The adapter module for `release` (a local build of a tested release, "0.19.8+<commit>", included)."""
+    module = SUPPORTED.get(Version(release).public)
+    if module is None:
+        raise UnsupportedDeepSpeed(
+            f"z3guard does not support DeepSpeed {release}; tested and supported releases: {supported_releases()}. "
+            "Nothing was patched. Install a supported release, or run without z3guard.")
+    return module
+
+
+def installed_release() -> str:
+    """The installed DeepSpeed's release, read without importing it where its metadata exists (a source
+    tree on PYTHONPATH has none)."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        import deepspeed
+
+        return deepspeed.__version__
 
 
 @functools.cache

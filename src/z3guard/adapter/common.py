@@ -20,6 +20,9 @@ except ImportError:  # before 0.13 there were no leaf modules
 
 from .base import EngineHook, ReadHook, TraceHooks
 
+# torch.compiler.is_compiling arrived in torch 2.3; before it, torch._dynamo's
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+
 P = "_PartitionedParameterCoordinator__"  # name-mangled private state of the coordinator
 
 
@@ -104,7 +107,6 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
 class ZeroAdapter:
     """Everything but the coordinator's lifecycle, which differs between releases."""
 
-    release_range = ""
     guarded_class: type = GuardedCoordinator
 
     def __init__(self) -> None:
@@ -120,7 +122,7 @@ class ZeroAdapter:
         def __getitem__(self, key):
             param = dict.__getitem__(self, key)
             if param is not None and self._in_forward and hasattr(param, "ds_status") and _po.FWD_MODULE_STACK \
-                    and not torch.compiler.is_compiling():
+                    and not _is_compiling():
                 running = _po.FWD_MODULE_STACK[-1]
                 if running is not self._parent_module:
                     on_read(running, param)

@@ -1,4 +1,4 @@
-"""Adapter for DeepSpeed 0.14.x (tested: 0.14.4): a coordinator per mode (train/eval), created on
+"""Adapter for DeepSpeed 0.14 (tested and supported: 0.14.4): a coordinator per mode (train/eval), created on
 first use; the training one is reset at the end of backward. Its trace invalidation leaves in-flight
 prefetches behind (and reset_step then refuses to run), so the guarded class releases them."""
 from __future__ import annotations
@@ -23,7 +23,6 @@ class GuardedCoordinator14(GuardedCoordinator):
 
 
 class V0_14(ZeroAdapter):
-    release_range = ">=0.14.4,<0.15"
     guarded_class = GuardedCoordinator14
 
     def coordinators(self, engine: Any) -> list:

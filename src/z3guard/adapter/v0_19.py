@@ -1,4 +1,4 @@
-"""Adapter for DeepSpeed 0.19.x (tested: 0.19.8): one coordinator for train and eval (since 0.15.4),
+"""Adapter for DeepSpeed 0.19 (tested and supported: 0.19.8): one coordinator for train and eval (since 0.15.4),
 reset from the root module's forward pre-hook; invalidation releases in-flight prefetches itself."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from .common import ZeroAdapter
 
 
 class V0_19(ZeroAdapter):
-    release_range = ">=0.19.8,<0.20"
 
     def coordinators(self, engine: Any) -> list:
         return [self.offload(engine).get_param_coordinator()]

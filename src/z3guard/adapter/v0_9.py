@@ -1,4 +1,4 @@
-"""Adapter for DeepSpeed 0.9.x (tested: 0.9.1, the report's release; on GPUs only, since 0.9 ships no
+"""Adapter for DeepSpeed 0.9 (tested and supported: 0.9.1, the report's release; on GPUs only, since 0.9 ships no
 CPU accelerator): like 0.14 (a coordinator per mode, invalidation that leaves in-flight prefetches
 behind), but `fetch_sub_module` takes no `forward` flag and each coordinator keeps its own in-flight
 registry."""
@@ -23,7 +23,6 @@ class GuardedCoordinator9(GuardedCoordinator14):
 
 
 class V0_9(V0_14):
-    release_range = ">=0.9.1,<0.10"
     guarded_class = GuardedCoordinator9
 
     def inflight_registries(self, engine: Any) -> list[dict]:

@@ -1,10 +1,12 @@
 """Staged, atomic, verified `save_checkpoint`/`load_checkpoint` for one DeepSpeed engine."""
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import shutil
-from importlib.metadata import version
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +22,7 @@ STAGING = ".z3guard-staging"
 
 class CheckpointGuard:
     """Replaces the engine's save/load methods (instance attributes: Trainer and accelerate call
-    those) with staged, verified ones; `remove()` puts the originals back."""
+    those) with staged, verified ones that keep DeepSpeed's signatures; `remove()` undoes that."""
 
     def __init__(self, engine: Any, adapter: Any):
         self.engine = engine
@@ -29,12 +31,20 @@ class CheckpointGuard:
         self.resumed_state: dict[str, Any] | None = None
         self._save: Callable = engine.save_checkpoint
         self._load: Callable = engine.load_checkpoint
-        engine.save_checkpoint = self.save
-        engine.load_checkpoint = self.load
+        self._own = {"save_checkpoint": _keeping_signature(self._save, self.save),
+                     "load_checkpoint": _keeping_signature(self._load, self.load)}
+        self._shadowed = {name: engine.__dict__.get(name) for name in self._own}  # a wrapper set before ours
+        for name, method in self._own.items():
+            setattr(engine, name, method)
 
     def remove(self) -> None:
-        self.engine.save_checkpoint = self._save
-        self.engine.load_checkpoint = self._load
+        for name, method in self._own.items():
+            if self.engine.__dict__.get(name) is not method:
+                continue  # something wrapped ours since: leave its wrapper in place
+            if self._shadowed[name] is None:
+                delattr(self.engine, name)
+            else:
+                setattr(self.engine, name, self._shadowed[name])
 
     # -- facts about the engine --------------------------------------------------------------
     def dtype(self) -> str:
@@ -44,7 +54,7 @@ class CheckpointGuard:
     def _manifest(self, tag: str) -> manifest.Manifest:
         return manifest.Manifest(tag=tag, world_size=dist.world(), zero_stage=self.engine.zero_optimization_stage(),
                                  dtype=self.dtype(), global_step=int(self.engine.global_steps),
-                                 deepspeed=version("deepspeed"), torch=torch.__version__, z3guard=__version__)
+                                 deepspeed=_deepspeed_release(), torch=torch.__version__, z3guard=__version__)
 
     # -- save --------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
@@ -54,34 +64,29 @@ class CheckpointGuard:
         final, staging = root / tag, root / STAGING / tag
         problem = _target_problem(root, final)
         if problem is None and dist.rank() == 0:
-            problem = _claim(root / STAGING, tag)
+            try:
+                problem = _claim(root / STAGING, tag)
+            except OSError as exc:
+                problem = f"{root / STAGING}: cannot take the save lock of checkpoint '{tag}': {exc}"
         dist.raise_if_any(problem, CheckpointError)
-        if dist.rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that died
-            staging.mkdir(parents=True)
-        dist.barrier()
-        try:
+        try:  # rmtree: a staging folder left by a save that died
+            _agreed(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)), rank0=True)
             faults.point("before-data", tag)
-            self._save(str(root / STAGING), tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
+            _agreed(lambda: self._save(str(root / STAGING), tag=tag, client_state=client_state or {},
+                                       save_latest=False, **kwargs))
             faults.point("mid-data", tag)
-            state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine), self.data_position))
-            dist.barrier()
+            _agreed(lambda: state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
+                                                              self.data_position)))
             faults.point("before-manifest", tag)
             m = self._manifest(tag)
             m.files = manifest.hash_files(staging, manifest.listing(staging))
-            if dist.rank() == 0:
-                manifest.fsync_tree(staging)
-                m.write(staging)
-            dist.barrier()
+            _agreed(lambda: (manifest.fsync_tree(staging), m.write(staging)), rank0=True)
             faults.point("before-rename", tag)
-            if dist.rank() == 0:
-                _publish(staging, final)  # the checkpoint appears whole, or not at all
-                manifest.fsync_dir(root)
-            dist.barrier()
+            # the checkpoint appears whole, or not at all
+            _agreed(lambda: (_publish(staging, final), manifest.fsync_dir(root)), rank0=True)
             faults.point("before-latest", tag)
-            if save_latest and dist.rank() == 0:
-                manifest.write_durably(root / "latest", tag.encode())
-            dist.barrier()
+            if save_latest:
+                _agreed(lambda: manifest.write_durably(root / "latest", tag.encode()), rank0=True)
         except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
             if dist.rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -96,12 +101,14 @@ class CheckpointGuard:
     def load(self, load_dir: str, tag: Any = None, **kwargs: Any):
         root = Path(load_dir)
         if tag is None:
-            latest = root / "latest"
+            latest = root / ("latest_universal" if _loads_universal(self.engine) else "latest")
             if not latest.is_file():
-                tags = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-                    if root.is_dir() else []
-                raise CheckpointError(f"{latest}: missing, so there is no checkpoint to resume from by default; "
-                                      f"tags present: {tags or 'none'}. Pass tag=... or restore 'latest'.")
+                tags = _checkpoint_tags(root)
+                if not tags:  # nothing saved here yet: stock's answer, (None, None) and a warning
+                    return self._load(str(root), tag=None, **kwargs)
+                raise CheckpointError(f"{latest}: missing, though {root} holds checkpoints {tags}; loading "
+                                      "nothing would silently restart from scratch. Pass tag=... or restore "
+                                      f"'{latest.name}'.")
             tag = latest.read_text().strip()
         folder = root / str(tag)
         replaced = root / STAGING / f"{tag}.replaced"
@@ -112,7 +119,8 @@ class CheckpointGuard:
                 os.rename(replaced, folder)
             dist.barrier()
         if not folder.is_dir():
-            raise CheckpointError(f"{folder}: no such checkpoint folder (tag {tag!r}).")
+            raise CheckpointError(f"{folder}: no such checkpoint folder (tag {tag!r}); checkpoints in {root}: "
+                                  f"{_checkpoint_tags(root) or 'none'}.")
         if (folder / manifest.MANIFEST).exists():
             problem = None
             try:
@@ -126,11 +134,23 @@ class CheckpointGuard:
                         folder, manifest.MANIFEST)
         result = self._load(str(root), tag=tag, **kwargs)
         saved = state.load(folder)
-        if saved is not None:
+        if saved is not None and not kwargs.get("load_module_only"):  # a warm start keeps this run's streams
             state.restore(saved)
             self.data_position = saved.get("data_position")
             self.resumed_state = saved
         return result
+
+
+def _agreed(action: Callable[[], Any], rank0: bool = False) -> None:
+    """This rank's part of a save phase (rank 0's alone with `rank0`), then agreement: a failure on any rank
+    fails the phase on every rank, so none is left waiting in a collective for one that raised."""
+    problem = None
+    try:
+        if not rank0 or dist.rank() == 0:
+            action()
+    except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
+        problem = f"rank {dist.rank()}: {exc}"
+    dist.raise_if_any(problem, CheckpointError)
 
 
 def _claim(staging_root: Path, tag: str) -> str | None:
@@ -140,17 +160,27 @@ def _claim(staging_root: Path, tag: str) -> str | None:
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        try:
-            pid = int(lock.read_text() or 0)
-        except (OSError, ValueError):
-            pid = 0
-        if pid and pid != os.getpid() and _alive(pid):
-            return (f"{lock}: another save of checkpoint '{tag}' is in progress (process {pid}); two saves of "
-                    "one tag at once would mix their files. Wait for it, or save under another tag.")
+        holder = _lock_holder(lock)
+        if holder is not None:
+            return (f"{lock}: another save of checkpoint '{tag}' is in progress (process {holder}); two saves "
+                    "of one tag at once would mix their files. Wait for it, or save under another tag.")
         fd = os.open(lock, os.O_WRONLY | os.O_TRUNC)  # left by a save that died
     with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{socket.gethostname()}:{os.getpid()}")
     return None
+
+
+def _lock_holder(lock: Path) -> str | None:
+    """Who holds `lock`, if it is a live process on this host other than this one; a lock written on
+    another host (a requeued job) cannot be checked and is taken as left by a save that died there."""
+    try:
+        host, _, pid = lock.read_text().rpartition(":")
+        pid_n = int(pid)
+    except (OSError, ValueError):
+        return None
+    if (host or socket.gethostname()) != socket.gethostname() or pid_n == os.getpid() or not _alive(pid_n):
+        return None
+    return str(pid_n)
 
 
 def _release(staging_root: Path, tag: str) -> None:
@@ -199,3 +229,39 @@ def _latest(root: Path) -> str | None:
         return (root / "latest").read_text().strip()
     except OSError:
         return None
+
+
+def _keeping_signature(original: Callable, replacement: Callable) -> Callable:
+    """`replacement` behind `original`'s signature: Trainer inspects it (`exclude_frozen_parameters`), and
+    positional arguments reach `replacement` by name."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        named: dict[str, Any] = {}
+        for name, value in signature.bind(*args, **kwargs).arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        return replacement(**named)
+
+    return method
+
+
+def _checkpoint_tags(root: Path) -> list[str]:
+    """Folders under `root` that hold a checkpoint (a z3guard manifest or DeepSpeed's model states)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and ((p / manifest.MANIFEST).exists() or any(p.glob("*model_states.pt"))))
+
+
+def _loads_universal(engine: Any) -> bool:
+    return bool(getattr(engine, "load_universal_checkpoint", lambda: False)())
+
+
+def _deepspeed_release() -> str:
+    import deepspeed  # its own __version__: right also where it runs from PYTHONPATH, without metadata
+
+    return deepspeed.__version__

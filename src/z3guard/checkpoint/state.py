@@ -18,7 +18,8 @@ def capture(loss_scaler: dict[str, Any], data_position: Any = None) -> dict[str,
         "python_rng": random.getstate(),
         "numpy_rng": np.random.get_state(),
         "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        # this rank's device only: a resume may see another number of GPUs (SLURM, one per task)
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "loss_scaler": loss_scaler,
         "data_position": data_position,
     }
@@ -30,7 +31,7 @@ def restore(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy_rng"])
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+        torch.cuda.set_rng_state(state["cuda_rng"])
 
 
 def path(folder: Path, rank: int | None = None) -> Path:

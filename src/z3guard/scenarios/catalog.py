@@ -89,13 +89,20 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def _import(spec: str) -> Callable:
+def _import(spec: str, flag: str) -> Callable:
     import importlib
 
     module, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"{spec!r}: expected 'package.module:function'")
-    return getattr(importlib.import_module(module), attr)
+    if not module or not attr:
+        raise ValueError(f"{flag} {spec!r}: expected 'package.module:function'")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{flag} {spec!r}: cannot import it ({exc}); the ranks import from the current "
+                         "directory and PYTHONPATH") from exc
+    if not callable(factory):
+        raise ValueError(f"{flag} {spec!r}: {type(factory).__name__} is not callable")
+    return factory
 
 
 def hf_causal_lm(path: str) -> Scenario:
@@ -123,8 +130,8 @@ def resolve(name: str, model: str | None = None, batch: str | None = None, hidde
     if model is None and batch is None:
         return get(name)
     if model is None or batch is None:
-        raise ValueError("a custom scenario needs both a model factory and a batch factory")
-    return Scenario(f"{model}+{batch}", _import(model), _import(batch), hidden=hidden)
+        raise ValueError("a custom scenario needs both --model (the model factory) and --batch (the batch factory)")
+    return Scenario(f"{model}+{batch}", _import(model, "--model"), _import(batch, "--batch"), hidden=hidden)
 
 
 def get(name: str) -> Scenario:

@@ -44,18 +44,19 @@ class Launch:
 
 
 def rank_env(device: str) -> dict[str, str]:
-    from importlib.metadata import version
-
     from packaging.version import Version
 
+    from ..adapter import installed_release
+
     env = dict(os.environ)
-    if Version(version("deepspeed")) < Version("0.15"):
+    release = installed_release()
+    if Version(release) < Version("0.15"):
         env.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # its checkpoints predate torch 2.6's default
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores; on GPUs torchrun's own default
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("LOCAL_SIZE", "2")  # else the CPU accelerator shells out to numactl
-        ext = Path(sys.prefix) / f"torch_extensions-ds{version('deepspeed')}"
+        ext = Path(sys.prefix) / f"torch_extensions-ds{release}"
         env.setdefault("TORCH_EXTENSIONS_DIR", str(ext))
     else:
         env["DS_ACCELERATOR"] = "cuda"

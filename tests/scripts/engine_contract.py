@@ -1,0 +1,122 @@
+"""What a guarded engine must keep of stock DeepSpeed's contract, beside stock engines in one gloo group:
+save/load signatures (Trainer inspects them), positional arguments, a load from a folder with no
+checkpoint, a weights-only load, a refused `set_data_position`, a guard that fails part-way, and a save
+that fails on one rank only. Writes <out>/contract.rank<r>.json. Run on every rank."""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import z3guard
+from z3guard import adapter
+from z3guard.checkpoint import state
+
+CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3}}
+
+
+def engine(guarded: bool, stage: int = 3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    cfg = {**CONFIG, "zero_optimization": {"stage": stage}} if stage == 3 else \
+        {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+    e, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if guarded:
+        z3guard.guard(e)
+    return e
+
+
+def train_step(e) -> None:
+    x = torch.randn(2, 16, dtype=next(e.module.parameters()).dtype)
+    e.backward(e(x).float().pow(2).mean())
+    e.step()
+
+
+def outcome(action: Callable[[], Any]) -> str:
+    try:
+        return f"ok: {action()!r}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def main(out: Path) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    r: dict[str, Any] = {}
+    stock, guarded = engine(False), engine(True)
+    for name in ("save_checkpoint", "load_checkpoint"):
+        r[f"signature/{name}"] = [list(inspect.signature(getattr(e, name)).parameters) for e in (stock, guarded)]
+
+    # positional arguments, as far as DeepSpeed's own signature goes
+    train_step(guarded)
+    r["save/positional"] = outcome(lambda: guarded.save_checkpoint(str(out / "ckpt"), "pos", {"k": 1}, True, False))
+    fresh = engine(True)
+    r["load/positional"] = outcome(lambda: fresh.load_checkpoint(str(out / "ckpt"), "pos", True)[1]["k"])
+
+    # no checkpoint saved yet (another run's logs may sit there): stock's answer, not an error
+    (out / "empty" / "logs").mkdir(parents=True, exist_ok=True)
+    r["load/empty"] = [outcome(lambda: e.load_checkpoint(str(out / "empty"))) for e in (stock, fresh)]
+
+    # a weights-only load (warm start) keeps this run's RNG streams; a full load restores the saved ones
+    warm = engine(True)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    warm.load_checkpoint(str(out / "ckpt"), "pos", load_module_only=True)
+    r["load/module_only_keeps_rng"] = torch.equal(before, torch.get_rng_state())
+    r["load/module_only_resumed_state"] = z3guard.resumed_state(warm) is not None
+    torch.manual_seed(1234)
+    full = engine(True)
+    full.load_checkpoint(str(out / "ckpt"), "pos")
+    r["load/full_restores_rng"] = not torch.equal(before, torch.get_rng_state())
+
+    # not ZeRO-3: nothing to save the position with
+    r["set_data_position/stage0"] = outcome(lambda: z3guard.set_data_position(engine(False, stage=0), 5))
+
+    # a guard that fails part-way leaves the engine as stock left it
+    ad = adapter.load()
+    victim = engine(False)
+
+    def fail(*args: Any) -> list[str]:
+        raise RuntimeError("injected")
+
+    ad.apply_fast_paths, keep = fail, ad.apply_fast_paths
+    r["guard/failing"] = outcome(lambda: z3guard.guard(victim))
+    ad.apply_fast_paths = keep
+    r["guard/rolled_back"] = {
+        "own_save_load": sorted({"save_checkpoint", "load_checkpoint"} & set(vars(victim))),
+        "guarded_coordinators": [type(c).__name__ for c in ad.coordinators(victim) if isinstance(c, ad.guarded_class)],
+        "still_works": outcome(lambda: train_step(victim))}
+
+    # a save phase that fails on rank 1 only fails on both ranks, publishes nothing and leaves no one waiting
+    save, keep_save = state.save, state.save
+
+    def rank1_fails(folder: Path, s: dict) -> None:
+        if rank == 1:
+            raise OSError(28, "No space left on device (injected)", str(folder))
+        keep_save(folder, s)
+
+    state.save = rank1_fails
+    r["save/one_rank_fails"] = outcome(lambda: guarded.save_checkpoint(str(out / "ckpt"), "late"))
+    state.save = save
+    r["save/latest_after_failure"] = (out / "ckpt" / "latest").read_text()
+    r["save/published_after_failure"] = (out / "ckpt" / "late").exists()
+    (out / f"contract.rank{rank}.json").write_text(json.dumps(r, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(Path(sys.argv[1]))
+    except Exception:
+        traceback.print_exc()
+        raise

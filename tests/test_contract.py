@@ -1,0 +1,62 @@
+"""A guarded engine keeps stock DeepSpeed's save/load contract (beside stock engines, one gloo group),
+fails whole where it fails, and is refused clearly where it cannot apply. Runs on every supported
+release in CI (`make test-compat` too)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from z3guard.scenarios.launch import run_ranks
+
+SCRIPT = Path(__file__).parent / "scripts" / "engine_contract.py"
+
+
+@pytest.fixture(scope="module")
+def contract(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("contract")
+    done = run_ranks([str(SCRIPT), str(out)], out, timeout=240)  # a rank left waiting shows as a timeout
+    assert done.returncode == 0, done.log[-4000:]
+    ranks = [json.loads((out / f"contract.rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks[0] | {"both": ranks}
+
+
+@pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint"])
+def test_save_and_load_keep_deepspeeds_signatures(contract, method):
+    """Trainer looks for `exclude_frozen_parameters` in the signature (else saves frozen weights too)."""
+    stock, guarded = contract[f"signature/{method}"]
+    assert guarded == stock
+
+
+def test_positional_arguments_reach_deepspeed(contract):
+    assert contract["save/positional"] == "ok: True"
+    assert contract["load/positional"] == "ok: 1"  # the client state saved with it
+
+
+def test_a_folder_without_checkpoints_loads_nothing_as_stock_does(contract):
+    stock, guarded = contract["load/empty"]
+    assert stock == guarded == "ok: (None, None)"
+
+
+def test_a_weights_only_load_keeps_this_runs_rng_streams(contract):
+    assert contract["load/module_only_keeps_rng"] and not contract["load/module_only_resumed_state"]
+    assert contract["load/full_restores_rng"]
+
+
+def test_set_data_position_refuses_an_engine_it_does_not_guard(contract):
+    assert contract["set_data_position/stage0"].startswith("ValueError: z3guard.set_data_position: this engine "
+                                                           "is not ZeRO stage 3")
+
+
+def test_a_guard_that_fails_part_way_is_undone(contract):
+    assert contract["guard/failing"] == "RuntimeError: injected"
+    assert contract["guard/rolled_back"] == {"own_save_load": [], "guarded_coordinators": [], "still_works": "ok: None"}
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(contract):
+    for rank in contract["both"]:
+        assert rank["save/one_rank_fails"].startswith("CheckpointError: saving checkpoint 'late'")
+        assert "rank 1: [Errno 28] No space left on device (injected)" in rank["save/one_rank_fails"]
+        assert "'latest' still points to 'pos'" in rank["save/one_rank_fails"]
+    assert contract["save/latest_after_failure"] == "pos" and not contract["save/published_after_failure"]
