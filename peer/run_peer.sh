@@ -22,7 +22,9 @@ PY=$VENV/bin/python
 
 # 1. DeepSpeed's tests at v0.19.5 (no v0.19.8 tag exists) run against the installed 0.19.8.
 rm -rf "$WORK" && mkdir -p "$WORK"
-git -C "$DS_GIT" archive v0.19.5 tests requirements | tar -x -C "$WORK"
+for d in tests requirements; do  # tree by tree: a mirror may lack large files elsewhere (blogs/ images)
+  git -C "$DS_GIT" archive --prefix=$d/ v0.19.5:$d | tar -x -C "$WORK"
+done
 
 # 2. Two helper edits needed on 0.19.8 / CPU (in the extracted copy only).
 python3 - "$WORK/tests" <<'EOF'

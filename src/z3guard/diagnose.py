@@ -64,7 +64,7 @@ class Names:
 
     def __init__(self, model: nn.Module):
         self._modules = {id(m): name or "<root>" for name, m in model.named_modules(remove_duplicate=False)}
-        self._params = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        self._params: dict[int, str] = {}
         # The first name wins for a shared (tied) parameter, as state_dict keys do.
         for name, p in reversed(list(model.named_parameters(remove_duplicate=False))):
             self._params[id(p)] = name

@@ -204,6 +204,11 @@ class ZeroAdapter:
                 "hysteresis": getattr(scaler, "cur_hysteresis", None),
                 "dynamic": bool(getattr(scaler, "dynamic", False))}
 
+    def saves_asynchronously(self, engine: Any) -> bool:
+        """A decoupled checkpoint engine (0.19) writes, and writes `latest`, after `save_checkpoint` returns."""
+        writer = getattr(engine, "checkpoint_engine", None)
+        return bool(getattr(writer, "is_decoupled", lambda: False)())
+
     def apply_fast_paths(self, engine: Any, options: Any) -> list[str]:
         return []  # only where a release's hot paths were checked bit for bit (see v0_19)
 

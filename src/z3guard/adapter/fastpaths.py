@@ -1,4 +1,6 @@
-"""Faster, bit-identical replacements for ZeRO-3's CPU-offload hot paths (DeepSpeed 0.19; fusedstep.py has one more).
+"""Faster, bit-identical replacements for ZeRO-3's CPU-offload hot paths (DeepSpeed 0.19), applied from
+here; the fused host step (fusedstep.py) and the gradients (gradoffload.py, hostgrads.py) have modules of
+their own.
 
 - write-back: stage 3 copies each updated fp32 master partition into the fp16/bf16 flat buffer of the
   parameters with one `copy_`. With `offload_param` the destination is pinned host memory and the source

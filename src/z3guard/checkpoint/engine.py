@@ -29,6 +29,7 @@ class CheckpointGuard:
         self.adapter = adapter
         self.data_position: Any = None  # set by the caller (z3guard.set_data_position); saved per rank
         self.resumed_state: dict[str, Any] | None = None
+        self._warned_async = False
         self._save: Callable = engine.save_checkpoint
         self._load: Callable = engine.load_checkpoint
         self._own = {"save_checkpoint": _keeping_signature(self._save, self.save),
@@ -59,6 +60,12 @@ class CheckpointGuard:
     # -- save --------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
              **kwargs: Any) -> bool:
+        if self.adapter.saves_asynchronously(self.engine):  # its files land after this returns: no staging
+            if not self._warned_async:
+                log.warning("z3guard: the engine's checkpoint engine writes asynchronously (decoupled); its saves "
+                            "are DeepSpeed's own, without z3guard's staging, manifest and saved RNG streams")
+                self._warned_async = True
+            return self._save(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
         root = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         final, staging = root / tag, root / STAGING / tag

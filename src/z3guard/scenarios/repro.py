@@ -28,7 +28,7 @@ class ReproPlan:
 @dataclass
 class Row:
     run: str
-    outcome: str  # completed | crashed | not run
+    outcome: str  # completed | crashed | not available
     detail: str
     crash: dict | None = None
     matches_reference: bool | None = None
