@@ -1,11 +1,13 @@
 """What a guarded engine must keep of stock DeepSpeed's contract, beside stock engines in one gloo group:
 save/load signatures (Trainer inspects them), positional arguments, a load from a folder with no
 checkpoint, a weights-only load, a refused `set_data_position`, a guard that fails part-way, and a save
-that fails on one rank only. Writes <out>/contract.rank<r>.json. Run on every rank."""
+that fails on one rank only. Writes <out>/contract.rank<r>.json. Run on every rank (gloo on CPU, NCCL
+where there are GPUs)."""
 from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -36,7 +38,7 @@ def engine(guarded: bool, stage: int = 3):
 
 
 def train_step(e) -> None:
-    x = torch.randn(2, 16, dtype=next(e.module.parameters()).dtype)
+    x = torch.randn(2, 16, dtype=next(e.module.parameters()).dtype, device=e.device)
     e.backward(e(x).float().pow(2).mean())
     e.step()
 
@@ -49,7 +51,11 @@ def outcome(action: Callable[[], Any]) -> str:
 
 
 def main(out: Path) -> None:
-    deepspeed.init_distributed(dist_backend="gloo")
+    if torch.cuda.is_available():  # on GPUs (gpu/contract.sh): NCCL, a device per rank
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend="nccl")
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     r: dict[str, Any] = {}
     stock, guarded = engine(False), engine(True)

@@ -260,7 +260,10 @@ def _limit_file_size(limit: int) -> int:
 
 
 def _consume_rng() -> list[float]:
-    return [random.random(), float(np.random.rand()), torch.rand(1).item()]
+    draws = [random.random(), float(np.random.rand()), torch.rand(1).item()]
+    if torch.cuda.is_available():  # this rank's device's generator
+        draws.append(torch.rand(1, device="cuda").item())
+    return draws
 
 
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:

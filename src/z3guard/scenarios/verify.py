@@ -74,7 +74,8 @@ def _first_difference(plan, straight, phase1, resumed, first, second, checked) -
         if d := first_tensor_difference(first.optimizer("straight", r), second.optimizer("resumed", r)):
             return Difference(f"rank {r}: {d.where}", d.detail)
     for key, what in (("loss_scaler", "loss scale and hysteresis"), ("lr", "learning rate"),
-                      ("rng", "RNG streams (python, numpy, torch)"), ("skipped", "skipped steps")):
+                      ("rng", f"RNG streams (python, numpy, torch{', cuda' if plan.device == 'cuda' else ''})"),
+                      ("skipped", "skipped steps")):
         checked.append(what)
         for r in range(plan.nproc):
             a, b = straight[r][key], resumed[r][key]
