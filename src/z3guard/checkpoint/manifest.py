@@ -76,7 +76,8 @@ def verify(folder: Path, world_size: int | None = None, zero_stage: int | None =
     """Check a checkpoint folder against its manifest; raise CheckpointError on the first problem."""
     folder = Path(folder)
     if not (folder / MANIFEST).exists():
-        raise CheckpointError(f"{folder / MANIFEST}: missing")
+        raise CheckpointError(f"{folder / MANIFEST}: missing, so {folder} cannot be verified (written without "
+                              "z3guard, or not by a save that finished)")
     m = Manifest.read(folder)
     for name, want, got in (("world_size", world_size, m.world_size), ("zero_stage", zero_stage, m.zero_stage),
                             ("dtype", dtype, m.dtype)):
