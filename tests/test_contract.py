@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import deepspeed
 import pytest
+from packaging.version import Version
 
 from z3guard.scenarios.launch import run_ranks
 
@@ -29,8 +31,12 @@ def test_save_and_load_keep_deepspeeds_signatures(contract, method):
     assert guarded == stock
 
 
+def test_the_engines_are_what_they_claim(contract):
+    assert contract["guarded"] == [[], ["load_checkpoint", "save_checkpoint"]]
+
+
 def test_positional_arguments_reach_deepspeed(contract):
-    assert contract["save/positional"] == "ok: True"
+    assert contract["save/positional"] == "ok: True" and contract["save/positional_manifest"]
     assert contract["load/positional"] == "ok: 1"  # the client state saved with it
 
 
@@ -54,9 +60,27 @@ def test_a_guard_that_fails_part_way_is_undone(contract):
     assert contract["guard/rolled_back"] == {"own_save_load": [], "guarded_coordinators": [], "still_works": "ok: None"}
 
 
+def test_fast_paths_failing_part_way_are_undone_with_the_rest(contract):
+    if Version(deepspeed.__version__) < Version("0.19"):
+        pytest.skip("the offload fast paths exist for DeepSpeed 0.19 only")
+    assert "overflow_check" in contract["guard/offload_fast_paths"]  # set before the one made to fail
+    assert "persistent_gather" in contract["guard/offload_fast_paths"]
+    assert contract["guard/failing_late"] == "RuntimeError: injected"
+    assert contract["guard/late_rolled_back"] == {"optimizer_attributes": [], "own_save_load": [],
+                                                  "still_works": "ok: None"}
+
+
 def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(contract):
     for rank in contract["both"]:
         assert rank["save/one_rank_fails"].startswith("CheckpointError: saving checkpoint 'late'")
         assert "rank 1: [Errno 28] No space left on device (injected)" in rank["save/one_rank_fails"]
         assert "'latest' still points to 'pos'" in rank["save/one_rank_fails"]
     assert contract["save/latest_after_failure"] == "pos" and not contract["save/published_after_failure"]
+
+
+def test_a_write_failing_inside_deepspeeds_save_on_one_rank_fails_on_every_rank(contract):
+    """Rank 1's disk fills while DeepSpeed writes its optimizer file, between DeepSpeed's own collectives."""
+    for rank in contract["both"]:
+        assert rank["save/one_rank_disk_full"].startswith("CheckpointError: saving checkpoint 'full'")
+        assert "rank 1: " in rank["save/one_rank_disk_full"] and "Nothing was published" in rank["save/one_rank_disk_full"]
+    assert contract["save/latest_after_disk_full"] == "pos" and not contract["save/published_after_disk_full"]

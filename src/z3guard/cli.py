@@ -41,13 +41,16 @@ def _check_scenario(scenario: str, model: str | None, batch: str | None, hidden:
 
     from .scenarios import catalog
 
-    sys.path.insert(0, os.getcwd())
+    here = os.getcwd()
+    sys.path.insert(0, here)
     try:
         catalog.resolve(scenario, model, batch, hidden, str(hf) if hf else None)
-    except (KeyError, ValueError, OSError) as exc:
-        raise typer.BadParameter(str(exc).strip('"')) from exc
+    except Exception as exc:  # whatever a user's module raises on import is about the flag that named it
+        flag = "--hf" if hf else None if model or batch else "--scenario"  # --model/--batch name themselves
+        raise typer.BadParameter(str(exc).strip('"'), param_hint=flag) from exc
     finally:
-        sys.path.remove(os.getcwd())
+        if here in sys.path:
+            sys.path.remove(here)
 
 
 @contextmanager

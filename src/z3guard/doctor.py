@@ -94,9 +94,14 @@ def _outcome(result: dict) -> str:
 
 
 def _crashed_on(crashes: dict[str, dict | None], module: str, params: list[str]) -> list[str]:
-    """The events whose stock crash names this module or one of these parameters (or names neither)."""
-    return [EVENTS[k] for k, c in crashes.items() if c is not None and
-            (c.get("module") in (None, module) or set(c.get("params") or ()) & set(params))]
+    """The events whose stock crash names this module or one of these parameters, or names neither."""
+    def ours(crash: dict) -> bool:
+        named = set(crash.get("params") or ())
+        if crash.get("module") is None and not named:
+            return True
+        return crash.get("module") == module or bool(named & set(params))
+
+    return [EVENTS[k] for k, c in crashes.items() if c is not None and ours(c)]
 
 
 def _hazards(seen: dict, pairs: list[tuple[str, str]], crashes: dict[str, dict | None]) -> list[Hazard]:

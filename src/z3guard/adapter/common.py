@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -203,6 +204,34 @@ class ZeroAdapter:
         return {"scale": float(getattr(scaler, "cur_scale", 1.0)),
                 "hysteresis": getattr(scaler, "cur_hysteresis", None),
                 "dynamic": bool(getattr(scaler, "dynamic", False))}
+
+    @contextlib.contextmanager
+    def deferred_write_errors(self, engine: Any) -> Iterator[list[Exception]]:
+        """DeepSpeed's save writes through `engine.checkpoint_engine.save` between collectives of its own; a
+        write failing on one rank would leave the others waiting in them. Inside this, a failed write is
+        kept (and later writes skipped) while the save goes on to its end; the caller raises it then."""
+        writer = engine.checkpoint_engine
+        errors: list[Exception] = []
+        shadowed = vars(writer).get("save")
+        stock = writer.save
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            if errors:
+                return None
+            try:
+                return stock(*args, **kwargs)
+            except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
+                errors.append(exc)
+                return None
+
+        writer.save = save
+        try:
+            yield errors
+        finally:
+            if shadowed is None:
+                del writer.save
+            else:
+                writer.save = shadowed
 
     def saves_asynchronously(self, engine: Any) -> bool:
         """A decoupled checkpoint engine (0.19) writes, and writes `latest`, after `save_checkpoint` returns."""

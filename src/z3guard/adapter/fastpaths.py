@@ -64,6 +64,16 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         log.info("z3guard: no offload fast paths on this engine: %s already replaced on its optimizer "
                  "(ZenFlow's overlapped step does that); DeepSpeed's own code runs", ", ".join(replaced))
         return []
+    try:
+        return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload)
+    except BaseException:  # none or all: what was set before the failure goes again
+        opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]
+        remove(engine)
+        raise
+
+
+def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None, persistent_gather: bool,
+           fused_step: bool, grad_offload: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):

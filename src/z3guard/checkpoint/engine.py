@@ -32,16 +32,17 @@ class CheckpointGuard:
         self._warned_async = False
         self._save: Callable = engine.save_checkpoint
         self._load: Callable = engine.load_checkpoint
-        self._own = {"save_checkpoint": _keeping_signature(self._save, self.save),
-                     "load_checkpoint": _keeping_signature(self._load, self.load)}
+        self._own = {"save_checkpoint": _keeping_signature(engine, "save_checkpoint", self.save),
+                     "load_checkpoint": _keeping_signature(engine, "load_checkpoint", self.load)}
         self._shadowed = {name: engine.__dict__.get(name) for name in self._own}  # a wrapper set before ours
         for name, method in self._own.items():
             setattr(engine, name, method)
 
     def remove(self) -> None:
         for name, method in self._own.items():
-            if self.engine.__dict__.get(name) is not method:
-                continue  # something wrapped ours since: leave its wrapper in place
+            if self.engine.__dict__.get(name) is not method:  # something wrapped ours since: leave it in place
+                log.warning("z3guard: %s was wrapped again after z3guard; that wrapper still calls z3guard's", name)
+                continue
             if self._shadowed[name] is None:
                 delattr(self.engine, name)
             else:
@@ -60,6 +61,8 @@ class CheckpointGuard:
     # -- save --------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
              **kwargs: Any) -> bool:
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")  # as stock says it
         if self.adapter.saves_asynchronously(self.engine):  # its files land after this returns: no staging
             if not self._warned_async:
                 log.warning("z3guard: the engine's checkpoint engine writes asynchronously (decoupled); its saves "
@@ -76,33 +79,44 @@ class CheckpointGuard:
             except OSError as exc:
                 problem = f"{root / STAGING}: cannot take the save lock of checkpoint '{tag}': {exc}"
         dist.raise_if_any(problem, CheckpointError)
+        published = False
         try:  # rmtree: a staging folder left by a save that died
             _agreed(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)), rank0=True)
             faults.point("before-data", tag)
-            _agreed(lambda: self._save(str(root / STAGING), tag=tag, client_state=client_state or {},
-                                       save_latest=False, **kwargs))
+            _agreed(lambda: self._deepspeed_save(root / STAGING, tag, client_state or {}, kwargs))
             faults.point("mid-data", tag)
             _agreed(lambda: state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
                                                               self.data_position)))
             faults.point("before-manifest", tag)
             m = self._manifest(tag)
-            m.files = manifest.hash_files(staging, manifest.listing(staging))
+            m.files = manifest.hash_files(staging, _from_rank0(lambda: manifest.listing(staging)))
             _agreed(lambda: (manifest.fsync_tree(staging), m.write(staging)), rank0=True)
             faults.point("before-rename", tag)
             # the checkpoint appears whole, or not at all
-            _agreed(lambda: (_publish(staging, final), manifest.fsync_dir(root)), rank0=True)
+            _agreed(lambda: _publish(staging, final), rank0=True)
+            published = True
+            _agreed(lambda: manifest.fsync_dir(root), rank0=True)
             faults.point("before-latest", tag)
-            if save_latest:
-                _agreed(lambda: manifest.write_durably(root / "latest", tag.encode()), rank0=True)
+            _agreed(lambda: save_latest and manifest.write_durably(root / "latest", tag.encode()), rank0=True)
         except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
             if dist.rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)
                 _release(root / STAGING, tag)
-            raise CheckpointError(f"saving checkpoint '{tag}' into {root} failed: {exc}. Nothing was published; "
+            outcome = (f"'{tag}' is in place (verify it with z3guard check-checkpoint)" if published else
+                       "Nothing was published")
+            raise CheckpointError(f"saving checkpoint '{tag}' into {root} failed: {exc}. {outcome}; "
                                   f"'latest' still points to {_latest(root)!r}.") from exc
         if dist.rank() == 0:
             _release(root / STAGING, tag)
         return True
+
+    def _deepspeed_save(self, folder: Path, tag: str, client_state: dict, kwargs: dict[str, Any]) -> None:
+        """DeepSpeed's own save into the staging folder; a write that failed on this rank is raised once
+        DeepSpeed's collectives are done, so every rank reaches the agreement after it."""
+        with self.adapter.deferred_write_errors(self.engine) as errors:
+            self._save(str(folder), tag=tag, client_state=client_state, save_latest=False, **kwargs)
+        if errors:
+            raise errors[0]
 
     # -- load --------------------------------------------------------------------------------
     def load(self, load_dir: str, tag: Any = None, **kwargs: Any):
@@ -111,7 +125,7 @@ class CheckpointGuard:
             latest = root / ("latest_universal" if _loads_universal(self.engine) else "latest")
             if not latest.is_file():
                 tags = _checkpoint_tags(root)
-                if not tags:  # nothing saved here yet: stock's answer, (None, None) and a warning
+                if not tags or _loads_universal(self.engine):  # stock's answer: (None, None), or its ValueError
                     return self._load(str(root), tag=None, **kwargs)
                 raise CheckpointError(f"{latest}: missing, though {root} holds checkpoints {tags}; loading "
                                       "nothing would silently restart from scratch. Pass tag=... or restore "
@@ -160,6 +174,18 @@ def _agreed(action: Callable[[], Any], rank0: bool = False) -> None:
     dist.raise_if_any(problem, CheckpointError)
 
 
+def _from_rank0(action: Callable[[], Any]) -> Any:
+    """Rank 0's result of `action`, on every rank (one view of a shared folder); its failure fails all."""
+    result, problem = None, None
+    if dist.rank() == 0:
+        try:
+            result = action()
+        except Exception as exc:
+            problem = f"rank 0: {exc}"
+    dist.raise_if_any(problem, CheckpointError)
+    return dist.gather_all(result)[0]
+
+
 def _claim(staging_root: Path, tag: str) -> str | None:
     """Take the save lock of `tag`; a live save of the same tag elsewhere makes this one refuse."""
     staging_root.mkdir(parents=True, exist_ok=True)
@@ -185,7 +211,8 @@ def _lock_holder(lock: Path) -> str | None:
         pid_n = int(pid)
     except (OSError, ValueError):
         return None
-    if (host or socket.gethostname()) != socket.gethostname() or pid_n == os.getpid() or not _alive(pid_n):
+    if pid_n <= 0 or (host or socket.gethostname()) != socket.gethostname() or pid_n == os.getpid() or \
+            not _alive(pid_n):
         return None
     return str(pid_n)
 
@@ -238,12 +265,15 @@ def _latest(root: Path) -> str | None:
         return None
 
 
-def _keeping_signature(original: Callable, replacement: Callable) -> Callable:
-    """`replacement` behind `original`'s signature: Trainer inspects it (`exclude_frozen_parameters`), and
-    positional arguments reach `replacement` by name."""
-    signature = inspect.signature(original)
+def _keeping_signature(engine: Any, name: str, replacement: Callable) -> Callable:
+    """`replacement` behind DeepSpeed's own signature of the method `name` (not that of a wrapper set
+    before z3guard's): Trainer inspects it (`exclude_frozen_parameters`), and positional arguments reach
+    `replacement` by name."""
+    stock = getattr(type(engine), name)
+    with_self = inspect.signature(stock)
+    signature = with_self.replace(parameters=list(with_self.parameters.values())[1:])
 
-    @functools.wraps(original)
+    @functools.wraps(stock)
     def method(*args: Any, **kwargs: Any) -> Any:
         named: dict[str, Any] = {}
         for name, value in signature.bind(*args, **kwargs).arguments.items():
@@ -253,6 +283,7 @@ def _keeping_signature(original: Callable, replacement: Callable) -> Callable:
                 named[name] = value
         return replacement(**named)
 
+    method.__signature__ = signature  # type: ignore[attr-defined]
     return method
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -110,6 +111,8 @@ def hf_causal_lm(path: str) -> Scenario:
     with random token batches."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not Path(path).is_dir():
+        raise ValueError(f"--hf {path}: not a folder; expected a local Hugging Face config or model folder")
     config = AutoConfig.from_pretrained(path)
     vocab = config.vocab_size
 

@@ -261,7 +261,7 @@ def _limit_file_size(limit: int) -> int:
 
 def _consume_rng() -> list[float]:
     draws = [random.random(), float(np.random.rand()), torch.rand(1).item()]
-    if torch.cuda.is_available():  # this rank's device's generator
+    if torch.cuda.is_initialized():  # this rank's device's generator, where the run uses CUDA
         draws.append(torch.rand(1, device="cuda").item())
     return draws
 
