@@ -9,7 +9,6 @@ from .common import ZeroAdapter
 
 
 class V0_19(ZeroAdapter):
-
     def coordinators(self, engine: Any) -> list:
         return [self.offload(engine).get_param_coordinator()]
 
