@@ -21,6 +21,7 @@ from torch import nn
 import z3guard
 from z3guard import adapter
 from z3guard.checkpoint import state
+from z3guard.scenarios.job import limit_file_size
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "zero_optimization": {"stage": 3}}
@@ -45,17 +46,6 @@ def train_step(e) -> None:
     x = torch.randn(2, 16, dtype=next(e.module.parameters()).dtype, device=e.device)
     e.backward(e(x).float().pow(2).mean())
     e.step()
-
-
-def limit_file_size(limit: int) -> int:
-    """This process's file-size limit (writes past it fail with EFBIG, as on a full disk); the old one."""
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    return soft
 
 
 def outcome(action: Callable[[], Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import sys
 
 from packaging.version import Version
 
@@ -34,8 +35,10 @@ def adapter_for(release: str) -> str:
 
 
 def installed_release() -> str:
-    """The installed DeepSpeed's release, read without importing it where its metadata exists (a source
-    tree on PYTHONPATH has none)."""
+    """The DeepSpeed release in use: its own `__version__` once imported (right also for a source tree on
+    PYTHONPATH); before that (the CLI, the launcher) its package metadata, which spares the import."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"].__version__
     try:
         return importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .. import __version__
+from ..adapter import installed_release
 from . import dist, faults, manifest, state
 from .errors import CheckpointError
 
@@ -56,7 +57,7 @@ class CheckpointGuard:
     def _manifest(self, tag: str) -> manifest.Manifest:
         return manifest.Manifest(tag=tag, world_size=dist.world(), zero_stage=self.engine.zero_optimization_stage(),
                                  dtype=self.dtype(), global_step=int(self.engine.global_steps),
-                                 deepspeed=_deepspeed_release(), torch=torch.__version__, z3guard=__version__)
+                                 deepspeed=installed_release(), torch=torch.__version__, z3guard=__version__)
 
     # -- save --------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
@@ -122,10 +123,11 @@ class CheckpointGuard:
     def load(self, load_dir: str, tag: Any = None, **kwargs: Any):
         root = Path(load_dir)
         if tag is None:
-            latest = root / ("latest_universal" if _loads_universal(self.engine) else "latest")
+            universal = bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)())
+            latest = root / ("latest_universal" if universal else "latest")
             if not latest.is_file():
                 tags = _checkpoint_tags(root)
-                if not tags or _loads_universal(self.engine):  # stock's answer: (None, None), or its ValueError
+                if not tags or universal:  # stock's answer: (None, None), or its ValueError
                     return self._load(str(root), tag=None, **kwargs)
                 raise CheckpointError(f"{latest}: missing, though {root} holds checkpoints {tags}; loading "
                                       "nothing would silently restart from scratch. Pass tag=... or restore "
@@ -163,27 +165,17 @@ class CheckpointGuard:
 
 
 def _agreed(action: Callable[[], Any], rank0: bool = False) -> None:
-    """This rank's part of a save phase (rank 0's alone with `rank0`), then agreement: a failure on any rank
-    fails the phase on every rank, so none is left waiting in a collective for one that raised."""
-    problem = None
-    try:
+    """A save phase: this rank's part (rank 0's alone with `rank0`), then agreement across ranks."""
+    def part() -> None:
         if not rank0 or dist.rank() == 0:
             action()
-    except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
-        problem = f"rank {dist.rank()}: {exc}"
-    dist.raise_if_any(problem, CheckpointError)
+
+    dist.on_every_rank(part, CheckpointError)
 
 
 def _from_rank0(action: Callable[[], Any]) -> Any:
     """Rank 0's result of `action`, on every rank (one view of a shared folder); its failure fails all."""
-    result, problem = None, None
-    if dist.rank() == 0:
-        try:
-            result = action()
-        except Exception as exc:
-            problem = f"rank 0: {exc}"
-    dist.raise_if_any(problem, CheckpointError)
-    return dist.gather_all(result)[0]
+    return dist.on_every_rank(lambda: action() if dist.rank() == 0 else None, CheckpointError)[0]
 
 
 def _claim(staging_root: Path, tag: str) -> str | None:
@@ -293,13 +285,3 @@ def _checkpoint_tags(root: Path) -> list[str]:
         return []
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
                   and ((p / manifest.MANIFEST).exists() or any(p.glob("*model_states.pt"))))
-
-
-def _loads_universal(engine: Any) -> bool:
-    return bool(getattr(engine, "load_universal_checkpoint", lambda: False)())
-
-
-def _deepspeed_release() -> str:
-    import deepspeed  # its own __version__: right also where it runs from PYTHONPATH, without metadata
-
-    return deepspeed.__version__

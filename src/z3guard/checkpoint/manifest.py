@@ -54,19 +54,12 @@ def listing(folder: Path) -> list[str]:
 
 def hash_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """Hash `names` with the work split across ranks (each hashes every world-th file)."""
-    mine: dict[str, dict[str, Any]] = {}
-    problem = None
-    try:
-        mine = {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)}
+    def mine() -> dict[str, dict[str, Any]]:
+        return {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)}
                 for i, n in enumerate(names) if i % dist.world() == dist.rank()}
-    except OSError as exc:  # reported on every rank below, so no rank waits for this one
-        problem = f"rank {dist.rank()}: hashing {folder}: {exc}"
-    parts = dist.gather_all((mine, problem))
-    problems = [p for _, p in parts if p]
-    if problems:
-        raise CheckpointError(problems[0])
+
     merged: dict[str, dict[str, Any]] = {}
-    for part, _ in parts:
+    for part in dist.on_every_rank(mine, CheckpointError):
         merged.update(part)
     return merged
 

@@ -180,7 +180,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 z3guard.set_data_position(engine, {"next_step": step + 1})
             if step in job.save_at:
                 limited = job.fsize_limit is not None and step != job.save_at[0]
-                previous = _limit_file_size(job.fsize_limit) if limited else None
+                previous = limit_file_size(job.fsize_limit) if limited else None
                 try:
                     engine.save_checkpoint(job.save_dir, tag=job.save_tag or f"step{step}",
                                            client_state={"step": step})
@@ -189,7 +189,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                     break
                 finally:
                     if limited:
-                        _limit_file_size(previous)
+                        limit_file_size(previous)
             if job.track_memory and step % job.track_memory == 0:
                 import psutil
 
@@ -248,7 +248,7 @@ def _halve_grads(engine) -> None:
         safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
 
 
-def _limit_file_size(limit: int) -> int:
+def limit_file_size(limit: int) -> int:
     """Set this process's file-size limit (writes past it fail with EFBIG); returns the old one."""
     import resource
     import signal
