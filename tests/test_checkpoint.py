@@ -148,6 +148,25 @@ def test_a_failing_write_publishes_nothing(runs):
     manifest.verify(root / "step2")
 
 
+def test_a_failing_save_of_a_tag_again_keeps_the_old_one_where_stock_loses_it(runs):
+    """The failure without z3guard: stock DeepSpeed writes into the published tag, so a write failing
+    part-way (a full disk) leaves `latest` pointing at torn files; z3guard's staged save keeps the old ones."""
+    for guard in (False, True):
+        name = "z3guard" if guard else "stock"
+        root = runs / f"ckpt-resave-{name}"
+        saving = launch([Job("full", guard=guard, steps=3, save_at=[2, 3], save_tag="fixed", fsize_limit=200_000,
+                             save_dir=str(root))], runs / f"resave-{name}")
+        assert "save_error" in saving.result("full"), name
+        assert (root / "latest").read_text() == "fixed"
+        loaded = launch([Job("load", guard=guard, steps=4, load_dir=str(root))], runs / f"resave-{name}-load")
+        res = loaded.result("load")
+        if guard:
+            assert res["start"] == 2 and "load_error" not in res and res["crash"] is None
+            assert manifest.verify(root / "fixed", world_size=2).global_step == 2
+        else:  # the step-2 checkpoint is gone: its optimizer states were truncated by the failed rewrite
+            assert res["start"] == 0 and "load_error" in res, res.get("load_error")
+
+
 def test_kill_at_every_point_of_a_save_keeps_the_previous_checkpoint(runs):
     roots = {p: runs / f"kill-{p}" for p in POINTS}
     for point, root in roots.items():
