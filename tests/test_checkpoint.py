@@ -150,14 +150,18 @@ def test_a_failing_write_publishes_nothing(runs):
 
 def test_a_failing_save_of_a_tag_again_keeps_the_old_one_where_stock_loses_it(runs):
     """The failure without z3guard: stock DeepSpeed writes into the published tag, so a write failing
-    part-way (a full disk) leaves `latest` pointing at torn files; z3guard's staged save keeps the old ones."""
+    part-way (a full disk) raises and leaves `latest` pointing at torn files; z3guard's staged save fails
+    cleanly and keeps the old ones."""
     for guard in (False, True):
         name = "z3guard" if guard else "stock"
         root = runs / f"ckpt-resave-{name}"
-        saving = launch([Job("full", guard=guard, steps=3, save_at=[2, 3], save_tag="fixed", fsize_limit=200_000,
-                             save_dir=str(root))], runs / f"resave-{name}")
-        assert "save_error" in saving.result("full"), name
+        saving = run_jobs([Job("full", guard=guard, steps=3, save_at=[2, 3], save_tag="fixed", fsize_limit=200_000,
+                               save_dir=str(root))], runs / f"resave-{name}", timeout=LAUNCH_TIMEOUT)
         assert (root / "latest").read_text() == "fixed"
+        if guard:
+            assert saving.returncode == 0 and "save_error" in saving.result("full")
+        else:  # stock's save raised out of `save_checkpoint`, which ends the ranks
+            assert saving.returncode != 0 and "save_checkpoint raised" in saving.log
         loaded = launch([Job("load", guard=guard, steps=4, load_dir=str(root))], runs / f"resave-{name}-load")
         res = loaded.result("load")
         if guard:
@@ -165,6 +169,31 @@ def test_a_failing_save_of_a_tag_again_keeps_the_old_one_where_stock_loses_it(ru
             assert manifest.verify(root / "fixed", world_size=2).global_step == 2
         else:  # the step-2 checkpoint is gone: its optimizer states were truncated by the failed rewrite
             assert res["start"] == 0 and "load_error" in res, res.get("load_error")
+
+
+def test_a_write_failing_on_one_rank_ends_stocks_run_and_only_fails_z3guards_save(runs):
+    """The failure without z3guard's agreement between ranks: in stock DeepSpeed rank 1's full disk raises
+    on rank 1 alone, which ends the run and leaves a torn `step3` in the folder (and, when rank 0 gets
+    that far before it is stopped, `latest` pointing at it). z3guard fails that save on both ranks alike,
+    with the same error to handle, and publishes nothing."""
+    import torch
+
+    for guard in (False, True):
+        name = "z3guard" if guard else "stock"
+        root = runs / f"ckpt-one-rank-{name}"
+        saving = run_jobs([Job("full", guard=guard, steps=3, save_at=[2, 3], fsize_limit=200_000, fsize_rank=1,
+                               save_dir=str(root))], runs / f"one-rank-{name}", timeout=LAUNCH_TIMEOUT)
+        if guard:
+            assert saving.returncode == 0
+            for rank in (0, 1):
+                res = saving.result("full", rank)
+                assert "rank 1: " in res["save_error"] and res["crash"] is None
+            assert (root / "latest").read_text() == "step2" and not (root / "step3").exists()
+            manifest.verify(root / "step2", world_size=2)
+        else:
+            assert saving.returncode != 0 and "save_checkpoint raised" in saving.log  # rank 1's error
+            with pytest.raises(RuntimeError, match="central directory"):  # rank 1's file: torn
+                torch.load(root / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", weights_only=False)
 
 
 def test_kill_at_every_point_of_a_save_keeps_the_previous_checkpoint(runs):

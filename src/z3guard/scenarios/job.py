@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..checkpoint.errors import CheckpointError
 from . import catalog
 from .config import merge, resolve_auto
 
@@ -31,6 +32,7 @@ class Job:
     save_dir: str | None = None
     save_tag: str | None = None  # default "step<N>"
     fsize_limit: int | None = None  # bytes: make writes fail as on a full disk (from the 2nd save on)
+    fsize_rank: int | None = None  # only this rank's writes fail (default: every rank's)
     load_dir: str | None = None  # resume from here (the step comes from the checkpoint)
     events: dict[str, list[str]] = field(default_factory=dict)  # "step" -> [gathered|partition|eval]
     regather_after_skip: bool = False  # the workaround users are given: re-gather persistent params
@@ -179,14 +181,17 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
 
                 z3guard.set_data_position(engine, {"next_step": step + 1})
             if step in job.save_at:
-                limited = job.fsize_limit is not None and step != job.save_at[0]
+                limited = (job.fsize_limit is not None and step != job.save_at[0]
+                           and job.fsize_rank in (None, rank))
                 previous = limit_file_size(job.fsize_limit) if limited else None
                 try:
                     engine.save_checkpoint(job.save_dir, tag=job.save_tag or f"step{step}",
                                            client_state={"step": step})
-                except RuntimeError as exc:  # z3guard's CheckpointError
+                except CheckpointError as exc:  # z3guard's: every rank failed the save alike
                     result["save_error"] = str(exc)
                     break
+                except Exception as exc:  # stock's own: ends this rank, as it would end a user's script
+                    raise SystemExit(f"save_checkpoint raised {type(exc).__name__}: {exc}") from exc
                 finally:
                     if limited:
                         limit_file_size(previous)
