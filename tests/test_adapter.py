@@ -51,3 +51,19 @@ def test_an_unsupported_release_patches_nothing(monkeypatch):
         assert deepspeed.initialize is original
     finally:
         adapter.load.cache_clear()
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("fast_writeback", "no", "expected True or False, got 'no'"),
+    ("warn", 0, "expected True or False, got 0"),
+    ("host_threads", "8", "expected None (auto), 0 (off) or a positive number of threads, got '8'"),
+    ("host_threads", -3, "got -3"),
+    ("host_threads", True, "got True"),
+])
+def test_bad_options_are_refused_by_name(field, value, expected):
+    """Before the check, "no" turned a fast path on, -3 turned host threads off silently, and "8" failed
+    inside the engine's start."""
+    with pytest.raises(ValueError) as refused:
+        z3guard.GuardOptions(**{field: value})
+    assert str(refused.value).startswith(f"GuardOptions.{field}: ") and expected in str(refused.value)
+    assert z3guard.GuardOptions(host_threads=8).host_threads == 8 and z3guard.GuardOptions(host_threads=0)

@@ -1,7 +1,7 @@
 """User-facing options, each with the reason it exists."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,15 @@ class GuardOptions:
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did
     not set) by the rank's share of the cores; 0 turns it off; a number sets it. Bit-identical for any
     count: what runs in the step does not depend on it (see adapter/fastpaths.py)."""
+
+    def __post_init__(self) -> None:
+        """A wrong type would be read the wrong way much later ("no" is true, "8" fails deep inside an
+        engine's start): refuse it here, by name."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "host_threads":
+                if value is not None and (type(value) is not int or value < 0):
+                    raise ValueError(f"GuardOptions.host_threads: expected None (auto), 0 (off) or a positive "
+                                     f"number of threads, got {value!r}")
+            elif type(value) is not bool:
+                raise ValueError(f"GuardOptions.{f.name}: expected True or False, got {value!r}")
