@@ -35,6 +35,14 @@ def test_guarded_resume_is_bit_identical_to_the_uninterrupted_run(verdict):
     assert verdict.as_expected
 
 
+def test_the_report_under_deepspeeds_own_launcher(runs):
+    """`deepspeed --num_gpus 2` starts the ranks instead of torchrun: the same crash, the same resume."""
+    verdict = repro.run(repro.ReproPlan(out=runs / "repro-deepspeed-launcher", launcher="deepspeed"))
+    stock = next(r for r in verdict.rows if r.run.startswith("stock"))
+    assert stock.crash["params"] == BIASES and verdict.as_expected
+    assert "deepspeed.launcher.launch" in (runs / "repro-deepspeed-launcher" / "phase2" / "launch.log").read_text()
+
+
 def test_plain_resume_without_skipped_steps_matches_the_reference(runs):
     ckpt = str(runs / "plain" / "ckpt")
     first = launch([Job("phase1", steps=3, save_at=[3], save_dir=ckpt),

@@ -32,6 +32,11 @@ class Dtype(str, Enum):
     bf16 = "bf16"
 
 
+class Launcher(str, Enum):
+    torchrun = "torchrun"
+    deepspeed = "deepspeed"
+
+
 def _check_scenario(scenario: str, model: str | None, batch: str | None, hidden: int,
                     hf: Path | None = None) -> None:
     """Resolve the scenario here, as the ranks will (`python -m` imports from the current directory), so
@@ -74,6 +79,8 @@ def repro(
     device: Device = typer.Option(Device.cpu, help="cpu: 2 gloo ranks; cuda: NCCL, one GPU per rank"),
     dtype: Dtype = typer.Option(Dtype.fp16, help="fp16 (the report's) or bf16"),
     nproc: int = typer.Option(2, help="ranks"),
+    launcher: Launcher = typer.Option(Launcher.torchrun, help="what starts the ranks: torchrun or DeepSpeed's "
+                                                              "own launcher"),
     save_after: int = typer.Option(4, help="phase 1 trains this many steps, then saves"),
     skip_at: int = typer.Option(6, help="step that overflows (and is skipped) after the resume"),
     overflow: str = typer.Option("forced", help="forced: a non-finite loss; natural: an outlier batch "
@@ -90,12 +97,12 @@ def repro(
     if overflow not in ("forced", "natural"):
         raise typer.BadParameter(f"--overflow must be forced or natural, got {overflow!r}")
     plan = r.ReproPlan(dtype=dtype.value, device=device.value, nproc=nproc, save_after=save_after,
-                       skip_at=skip_at, steps=steps, out=out, overflow=overflow)
+                       skip_at=skip_at, steps=steps, out=out, overflow=overflow, launcher=launcher.value)
     from .adapter import installed_release
 
     console.print(f"[bold]z3guard repro[/]: CLIP-style model, ZeRO-3 + CPU offload, {dtype.value}, "
-                  f"{nproc} ranks on {device.value}, DeepSpeed {installed_release()}; save after step "
-                  f"{save_after}, resume, step {skip_at} overflows ({overflow})")
+                  f"{nproc} ranks on {device.value} ({launcher.value}), DeepSpeed {installed_release()}; "
+                  f"save after step {save_after}, resume, step {skip_at} overflows ({overflow})")
     with _tracking(steps) as on_progress:
         verdict = r.run(plan, on_progress)
     table = Table(title="Verdict", show_lines=True)

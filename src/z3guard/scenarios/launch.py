@@ -66,22 +66,48 @@ def rank_env(device: str) -> dict[str, str]:
 
 
 def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
-             on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None) -> Launch:
+             on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
+             launcher: str = "torchrun") -> Launch:
     """Run `jobs` in one fresh process group of `nproc` ranks; kill the whole group on timeout."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "device": device, "jobs": [j.to_dict() for j in jobs]}))
     progress = out / "progress.jsonl"
     progress.unlink(missing_ok=True)
-    return run_ranks(["-m", "z3guard.scenarios.worker", str(spec)], out, device, nproc, timeout, on_progress, env)
+    return run_ranks(["-m", "z3guard.scenarios.worker", str(spec)], out, device, nproc, timeout, on_progress, env,
+                     launcher)
+
+
+LAUNCHERS = ("torchrun", "deepspeed")
+
+
+def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc_per_node N <argv>`, or DeepSpeed's own launcher (`deepspeed
+    --num_gpus N`), which hands ranks their place in the environment only (no `--local_rank`)."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+    if launcher == "deepspeed":
+        script = ["--module", *argv[1:]] if argv[0] == "-m" else argv
+        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={nproc}", "--no_local_rank",
+                f"--master_port={_free_port()}", *script]
+    raise ValueError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(argv: list[str], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
-              on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None) -> Launch:
-    """`torchrun --standalone --nproc_per_node N <argv>`: a script or `-m module` on every rank."""
+              on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
+              launcher: str = "torchrun") -> Launch:
+    """A script or `-m module` on every rank of a fresh group (see `launch_command`)."""
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+    cmd = launch_command(launcher, nproc, argv)
     log_path = out / "launch.log"
     start = time.monotonic()
     with log_path.open("w") as log:

@@ -23,6 +23,7 @@ class ReproPlan:
     steps: int = 10
     out: Path = Path("runs/repro")
     config: dict[str, Any] = field(default_factory=dict)
+    launcher: str = "torchrun"  # or "deepspeed": DeepSpeed's own launcher
 
 
 @dataclass
@@ -54,12 +55,12 @@ def run(plan: ReproPlan, on_progress: Callable[[str, int], None] | None = None) 
     first = run_jobs([
         Job("phase1", steps=plan.save_after, save_at=[plan.save_after], save_dir=ckpt, **common),
         Job("reference", steps=plan.steps, **skip, **common),
-    ], plan.out / "phase1", plan.device, plan.nproc, on_progress=on_progress)
+    ], plan.out / "phase1", plan.device, plan.nproc, on_progress=on_progress, launcher=plan.launcher)
     # Phase 2 in a fresh process group: the guarded resume first, then stock (which is expected to crash).
     second = run_jobs([
         Job("guarded", steps=plan.steps, load_dir=ckpt, guard=True, **skip, **common),
         Job("stock", steps=plan.steps, load_dir=ckpt, **skip, **common),
-    ], plan.out / "phase2", plan.device, plan.nproc, on_progress=on_progress)
+    ], plan.out / "phase2", plan.device, plan.nproc, on_progress=on_progress, launcher=plan.launcher)
 
     ref = first.result("reference")
     if ref["crash"]:
