@@ -25,6 +25,7 @@ from .base import EngineHook, ReadHook, TraceHooks
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 P = "_PartitionedParameterCoordinator__"  # name-mangled private state of the coordinator
+S3 = "_DeepSpeedZeroOptimizer_Stage3__"  # ... and of stage 3's optimizer
 
 
 class GuardedCoordinator(PartitionedParameterCoordinator):

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from . import hostgrads, overflow
+from .common import S3
 
 PATCHED = ("partition_grads", "complete_grad_norm_calculation_for_cpu_offload")  # set by apply
-REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+REGIONS = S3 + "param_id_to_grad_partition"
 
 
 def applicable(opt: Any) -> bool:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .common import S3
+
 CHUNK_NUMEL = 1 << 24  # 16M elements per chunk read
 SUM_CHUNK_NUMEL = 1 << 22  # fp32 temporary of 16 MiB: under glibc's mmap ceiling, so reused, not faulted in
 
@@ -122,7 +124,7 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list):
 def nonfinite_gradients(self, buffer: torch.Tensor, on: torch.device | None) -> bool:
     """Whether the host gradient buffer holds an inf/NaN: from the norms where they cover a region, else
     read (see the module's docstring)."""
-    regions = getattr(self, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", None)
+    regions = getattr(self, S3 + "param_id_to_grad_partition", None)
     normed = getattr(self, "z3guard_normed", None)
     if regions is None or normed is None:
         return any_nonfinite(buffer, on=on)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .common import P
+
 
 PATCHED = ("_post_step", "_partition_all_parameters")  # set by apply
 
@@ -94,8 +96,8 @@ def _partition_all_parameters(self) -> None:
         return self.z3guard_stock_partition_all()
     offload = self.parameter_offload
     coordinator = offload.get_param_coordinator()
-    inflight = getattr(coordinator, "_PartitionedParameterCoordinator__inflight_param_registry")
-    release = getattr(coordinator, "_PartitionedParameterCoordinator__release_param")
+    inflight = getattr(coordinator, P + "inflight_param_registry")
+    release = getattr(coordinator, P + "release_param")
     kept = 0
     for param in iter_params(offload.module, recurse=True):
         if param in inflight:
