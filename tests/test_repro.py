@@ -5,6 +5,7 @@ import pytest
 
 from z3guard.scenarios import compare, repro
 from z3guard.scenarios.job import Job
+from z3guard.scenarios.launch import launch_command
 
 from .conftest import launch
 
@@ -41,6 +42,23 @@ def test_the_report_under_deepspeeds_own_launcher(runs):
     stock = next(r for r in verdict.rows if r.run.startswith("stock"))
     assert stock.crash["params"] == BIASES and verdict.as_expected
     assert "deepspeed.launcher.launch" in (runs / "repro-deepspeed-launcher" / "phase2" / "launch.log").read_text()
+
+
+@pytest.mark.parametrize("device,visible,expected", [
+    ("cuda", "2,3", ["--include=localhost:2,3"]),  # DeepSpeed's runner would drop the variable for GPUs 0, 1
+    ("cuda", "1,2,3", ["--include=localhost:1,2"]),
+    ("cuda", "", ["--num_gpus=2"]),
+    ("cpu", "2,3", ["--num_gpus=2"]),
+])
+def test_deepspeeds_launcher_keeps_to_the_visible_gpus(device, visible, expected):
+    cmd = launch_command("deepspeed", 2, ["-m", "pkg.mod", "x"], device, {"CUDA_VISIBLE_DEVICES": visible})
+    assert [a for a in cmd if a.startswith(("--include", "--num_gpus"))] == expected
+    assert cmd[-3:] == ["--module", "pkg.mod", "x"] and "--no_local_rank" in cmd
+
+
+def test_deepspeeds_launcher_refuses_too_few_visible_gpus():
+    with pytest.raises(ValueError, match="2 ranks, but CUDA_VISIBLE_DEVICES=5 names 1 GPU"):
+        launch_command("deepspeed", 2, ["script.py"], "cuda", {"CUDA_VISIBLE_DEVICES": "5"})
 
 
 def test_plain_resume_without_skipped_steps_matches_the_reference(runs):

@@ -131,7 +131,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     if job.load_dir:
         try:
             _, client = engine.load_checkpoint(job.load_dir)
-        except RuntimeError as exc:  # z3guard's CheckpointError: refused before loading anything
+        except RuntimeError as exc:  # z3guard's refusal (before loading anything), or stock's torn file
             result.update(load_error=str(exc), start=0, state=gathered_state(engine))
             engine.destroy()
             return result

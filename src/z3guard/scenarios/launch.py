@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from .job import Job
 
@@ -81,16 +81,29 @@ def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, ti
 LAUNCHERS = ("torchrun", "deepspeed")
 
 
-def launch_command(launcher: str, nproc: int, argv: list[str]) -> list[str]:
+def launch_command(launcher: str, nproc: int, argv: list[str], device: str = "cpu",
+                   environ: Mapping[str, str] = os.environ) -> list[str]:
     """`torchrun --standalone --nproc_per_node N <argv>`, or DeepSpeed's own launcher (`deepspeed
     --num_gpus N`), which hands ranks their place in the environment only (no `--local_rank`)."""
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
     if launcher == "deepspeed":
         script = ["--module", *argv[1:]] if argv[0] == "-m" else argv
-        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={nproc}", "--no_local_rank",
-                f"--master_port={_free_port()}", *script]
+        return [sys.executable, "-m", "deepspeed.launcher.runner", *_deepspeed_devices(nproc, device, environ),
+                "--no_local_rank", f"--master_port={_free_port()}", *script]
     raise ValueError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+
+
+def _deepspeed_devices(nproc: int, device: str, environ: Mapping[str, str]) -> list[str]:
+    """DeepSpeed's runner drops CUDA_VISIBLE_DEVICES when given --num_gpus (ranks would then take GPUs
+    0..N-1, where torchrun keeps to the visible ones): name the visible GPUs instead."""
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if device != "cuda" or not visible:
+        return [f"--num_gpus={nproc}"]
+    if len(visible) < nproc:
+        raise ValueError(f"{nproc} ranks, but CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} names "
+                         f"{len(visible)} GPU(s)")
+    return [f"--include=localhost:{','.join(visible[:nproc])}"]
 
 
 def _free_port() -> int:
@@ -107,12 +120,12 @@ def run_ranks(argv: list[str], out: Path, device: str = "cpu", nproc: int = 2, t
     """A script or `-m module` on every rank of a fresh group (see `launch_command`)."""
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
-    cmd = launch_command(launcher, nproc, argv)
+    environ = {**rank_env(device), **(env or {})}
+    cmd = launch_command(launcher, nproc, argv, device, environ)
     log_path = out / "launch.log"
     start = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**rank_env(device), **(env or {})},
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
         seen = 0
         try:
             while proc.poll() is None:
