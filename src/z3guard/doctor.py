@@ -78,8 +78,9 @@ def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None)
                   Job("verify-gathered", steps=7, events={"5": ["gathered"]}, load_dir=ckpt, register=register,
                       **common)]
     second = run_jobs(stock, plan.out / "stock", nproc=plan.nproc, on_progress=on_progress)
-    outcome = {j.name: _outcome(second.result(j.name)) for j in stock}
-    hazards = _hazards(seen, pairs, {k: second.result(k).get("crash") for k in EVENTS})
+    results = {j.name: second.result(j.name) for j in stock}
+    outcome = {name: _outcome(r) for name, r in results.items()}
+    hazards = _hazards(seen, pairs, {k: results[k].get("crash") for k in EVENTS})
     verified = None
     if plan.verify:
         verified = outcome["verify-skip"] == "ok" and outcome["verify-gathered"] == "ok"
