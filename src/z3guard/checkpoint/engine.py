@@ -268,11 +268,11 @@ def _keeping_signature(engine: Any, name: str, replacement: Callable) -> Callabl
     @functools.wraps(stock)
     def method(*args: Any, **kwargs: Any) -> Any:
         named: dict[str, Any] = {}
-        for name, value in signature.bind(*args, **kwargs).arguments.items():
-            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        for param, value in signature.bind(*args, **kwargs).arguments.items():
+            if signature.parameters[param].kind is inspect.Parameter.VAR_KEYWORD:
                 named.update(value)
             else:
-                named[name] = value
+                named[param] = value
         return replacement(**named)
 
     method.__signature__ = signature  # type: ignore[attr-defined]
