@@ -97,11 +97,12 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
         if not ok and done is not None:
             console.print(done.log[-6000:])
         failed |= not ok
+        if records:  # after every group: a run cut short still leaves what ran before it
+            out = out or ROOT / "results" / f"{device}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(records, indent=1))
     if records:
         console.print(table(records))
-        out = out or ROOT / "results" / f"{device}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(records, indent=1))
         console.print(f"wrote {out}: {len(records)} of {len(runs)} runs")
     if failed or len(records) != len(runs):
         raise typer.Exit(1)

@@ -15,7 +15,7 @@ for r in 0 1; do
     --out "$out/fused-$call-$r.json" > "/tmp/fused-$r.log" 2>&1 &
 done
 wait
-tail -7 /tmp/fused-0.log /tmp/fused-1.log
+tail -n 7 /tmp/fused-0.log /tmp/fused-1.log
 python3 bench/run.py --device cuda --isolate --warmup 8 --steps 12 --timeout 200 --out "$out/$call.json" \
   --run gpt2:stock:param+optimizer --run gpt2:z3guard:param+optimizer --run gpt2:z3guard-4kpages:param+optimizer \
   --run gpt2:z3guard:param+optimizer 2>&1 | tail -9
