@@ -25,31 +25,40 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 
 def main(numel: int = 177_411_584, threads: int = 0, repeats: int = 7,
-         chunks: list[int] = typer.Option([1 << 18, 1 << 20, 1 << 22]),
-         huge: bool = typer.Option(False, help="also the fused pass (first chunk size) on state moved to 2 MiB "
-                                                "pages as z3guard's huge_pages does"),
-         out: Path = typer.Option(None)) -> None:
+         chunks: list[int] = typer.Option([1 << 18, 1 << 20, 1 << 22]), out: Path = typer.Option(None)) -> None:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
     from threadpoolctl import threadpool_limits
 
     from z3guard.adapter.fusedstep import fused_update
-    from z3guard.adapter.hugepages import collapse
 
+    param = torch.nn.Parameter(torch.randn(numel))
     grad = torch.randn(numel)  # every timed call starts from these gradients (the unscale is in place)
+    param.grad = grad.clone()
+    low = torch.empty(numel, dtype=torch.float16)
+    if torch.cuda.is_available():
+        low = low.pin_memory()  # as offload_param keeps it
+    adam = DeepSpeedCPUAdam([param], lr=1e-4)
     factor = 1. / torch.tensor(1024.0)
     limit = threadpool_limits(threads, user_api="openmp") if threads else None
-    param, adam, low = _state(numel, grad)
-    variants = {"three passes (stock)": _three_passes(param, adam, low, factor),
-                **{f"fused, chunk {c}": _fused(param, adam, low, factor, c, fused_update) for c in chunks}}
-    if huge:
-        h_param, h_adam, h_low = _state(numel, grad)
-        moved = sum(collapse(t) for t in (h_param, *h_adam.state[h_param].values()) if torch.is_tensor(t) and t.dim())
-        print(f"on 2 MiB pages: {moved / 2**20:.0f} MiB")
-        variants[f"fused, chunk {chunks[0]}, 2 MiB pages"] = _fused(h_param, h_adam, h_low, factor, chunks[0],
-                                                                     fused_update)
+
+    def three_passes() -> None:
+        param.grad.mul_(factor)
+        adam.step()
+        low.copy_(param.data)
+
+    def fused(chunk: int):
+        def run() -> None:
+            state = adam.state[param]
+            state["step"] += 1
+            fused_update(adam, adam.param_groups[0], state, param.data, param.grad, low, factor, chunk)
+        return run
+
+    variants = {"three passes (stock)": three_passes, **{f"fused, chunk {c}": fused(c) for c in chunks}}
     times: dict[str, list[float]] = {k: [] for k in variants}
+    three_passes()  # allocates Adam's state
     for _ in range(repeats):
         for name, fn in variants.items():  # alternating, so drift hits all alike
-            fn.param.grad.copy_(grad)
+            param.grad.copy_(grad)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -68,38 +77,6 @@ def main(numel: int = 177_411_584, threads: int = 0, repeats: int = 7,
     out = out or ROOT / "results" / f"fused-step-{platform.node() or 'host'}.json"
     out.write_text(json.dumps({"numel": numel, "threads": threads, "cpus": os.cpu_count(), "records": records},
                               indent=1))
-
-
-def _state(numel: int, grad: torch.Tensor):
-    """A parameter with its gradient, DeepSpeedCPUAdam with its state allocated, the fp16 partition."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    param = torch.nn.Parameter(torch.randn(numel))
-    param.grad = grad.clone()
-    low = torch.empty(numel, dtype=torch.float16)
-    if torch.cuda.is_available():
-        low = low.pin_memory()  # as offload_param keeps it
-    adam = DeepSpeedCPUAdam([param], lr=1e-4)
-    adam.step()  # allocates Adam's state
-    return param, adam, low
-
-
-def _three_passes(param, adam, low, factor):
-    def run() -> None:
-        param.grad.mul_(factor)
-        adam.step()
-        low.copy_(param.data)
-    run.param = param
-    return run
-
-
-def _fused(param, adam, low, factor, chunk: int, fused_update):
-    def run() -> None:
-        state = adam.state[param]
-        state["step"] += 1
-        fused_update(adam, adam.param_groups[0], state, param.data, param.grad, low, factor, chunk)
-    run.param = param
-    return run
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ VARIANT_CONFIG = {  # stock DeepSpeed, and its workarounds as config
 GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alone), or all but one
     "z3guard": {},
     "z3guard-nofast": {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-                       "fast_fused_step": False, "fast_grad_offload": False, "host_threads": 0,
-                       "huge_pages": False},
+                       "fast_fused_step": False, "fast_grad_offload": False, "host_threads": 0},
     "z3guard-nofused": {"fast_fused_step": False},
     "z3guard-nothreads": {"host_threads": 0},
     "z3guard-threads8": {"host_threads": 8},
@@ -35,7 +34,6 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nowriteback": {"fast_writeback": False},
     "z3guard-nocheck": {"fast_overflow_check": False},
     "z3guard-nogradoffload": {"fast_grad_offload": False},
-    "z3guard-4kpages": {"huge_pages": False},
 }
 OFFLOAD = {
     "none": {},
@@ -43,14 +41,6 @@ OFFLOAD = {
     "param+optimizer": {"offload_param": {"device": "cpu", "pin_memory": True},
                         "offload_optimizer": {"device": "cpu", "pin_memory": True}},
 }
-
-
-def _anon_huge_bytes() -> int | None:
-    try:
-        line = next(x for x in Path("/proc/self/smaps_rollup").read_text().splitlines() if x.startswith("AnonHuge"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) * 1024
 
 
 def config(variant: str, offload: str, micro_batch: int, world: int, device: str) -> dict:
@@ -144,7 +134,6 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         "phases_s": phases, "warmup_steps_s": warmup_times,  # every timed step's phases; the untimed steps
         "host_rss_bytes": psutil.Process().memory_info().rss, "host_rss_before_bytes": rss_before,
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # of the process
-        "host_huge_bytes": _anon_huge_bytes(),  # process memory on 2 MiB pages (z3guard's huge_pages)
         "invalidations": count_invalidations(),
         "trace_switches": g.trace.cache.switches if g else None,
         "trace_recordings": g.trace.cache.recordings if g else None,

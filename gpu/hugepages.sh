@@ -3,7 +3,7 @@
 # (z3guard's huge_pages, madvise(MADV_COLLAPSE))? The host's THP settings; the fused pass alone in two
 # processes at once (as two ranks share the memory bus), 4 KiB against 2 MiB pages alternating in each;
 # then the harness, both offloads, a process group per run: stock, z3guard, z3guard-4kpages, z3guard.
-#   bash gpu/hugepages.sh <call-name>
+#   bash gpu/hugepages.sh <call-name>      (at 25001c1, where the path and `fused_step.py --huge` exist; removed after b53)
 . gpu/call.sh "$@"
 { uname -r; grep . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
   nproc; grep -E "MemTotal|MemFree|AnonHuge" /proc/meminfo; lscpu | grep -E "Model name|NUMA|Socket|Thread"; } \

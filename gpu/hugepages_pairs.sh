@@ -2,7 +2,7 @@
 # Issue 8, one device call on nvidia-h200-x2, after b52 (gpu/hugepages.sh): the both-offloads GPU
 # bit-identity with huge_pages on (52 steps, 5 skipped), then the harness, both offloads, a process group
 # per run: z3guard-4kpages, z3guard, stock, z3guard, z3guard-4kpages (8 warm-up + 12 timed steps).
-#   bash gpu/hugepages_pairs.sh <call-name>
+#   bash gpu/hugepages_pairs.sh <call-name>      (at dd46cd7; the path was removed after b53)
 . gpu/call.sh "$@"
 bit_identity
 ORDER="z3guard-4kpages z3guard stock z3guard z3guard-4kpages"

@@ -65,11 +65,11 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     skips = [3, 10, 25, 26, 40]
     common = dict(steps=52, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-           "fast_fused_step": False, "fast_grad_offload": False, "huge_pages": False}
+           "fast_fused_step": False, "fast_grad_offload": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
-    assert {"overflow_check", "persistent_gather", "grad_offload", "huge_pages"} <= set(fast["fast_paths"])
+    assert {"overflow_check", "persistent_gather", "grad_offload"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []
     # every gradient's norm and fp32 cast taken from the partition still on the device; the global norm
     # summed on the host at every step that was not skipped

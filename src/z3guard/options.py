@@ -41,11 +41,6 @@ class GuardOptions:
     copy there (an exact cast), and DeepSpeed's gradient accessors get them written first. Same bytes (the
     same IEEE operations in the same order); off only to compare with stock."""
 
-    huge_pages: bool = True
-    """With `offload_optimizer`: move the host fp32 partition and optimizer state, which the step streams
-    through memory every step, onto 2 MiB pages in place (`madvise(MADV_COLLAPSE)`, Linux 6.1; elsewhere
-    nothing changes). Same addresses and bytes; off only to compare with stock."""
-
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, gradoffload, hostgrads, hugepages, overflow, persistent
+from . import fusedstep, gradoffload, hostgrads, overflow, persistent
 from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
@@ -54,8 +54,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False,
-          huge_pages: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names. None where
     something else already replaced one of the methods they replace on this instance (ZenFlow's
     overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
@@ -66,8 +65,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
                  "(ZenFlow's overlapped step does that); DeepSpeed's own code runs", ", ".join(replaced))
         return []
     try:
-        return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload,
-                      huge_pages)
+        return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload)
     except BaseException:  # none or all: what was set before the failure goes again
         opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]
         remove(engine)
@@ -75,7 +73,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None, persistent_gather: bool,
-           fused_step: bool, grad_offload: bool, huge_pages: bool) -> list[str]:
+           fused_step: bool, grad_offload: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
@@ -102,11 +100,7 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
 
         opt.z3guard_threads = (ThreadpoolController(), n)
         applied.append(f"host_threads={n}")
-    if huge_pages and getattr(opt, "offload_optimizer", False) and hasattr(opt, "fp32_partitioned_groups_flat"):
-        opt.z3guard_huge_pages = True
-        hugepages.refresh(opt)
-        applied.append("huge_pages")
-    if n or {"fused_step", "persistent_gather", "huge_pages"} & set(applied):
+    if n or "fused_step" in applied or "persistent_gather" in applied:
         opt.z3guard_stock_step = opt.step
         opt.step = types.MethodType(_step, opt)
     opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]  # none was there before
@@ -146,8 +140,6 @@ def _step(self, *args, **kwargs):
     behind (what a step that raised half-way noted must not reach a later write-back) and persistent
     parameters it kept but did not refresh released (persistent.after_step)."""
     self.z3guard_in_step = True
-    if getattr(self, "z3guard_huge_pages", False):
-        hugepages.refresh(self)
     try:
         if getattr(self, "z3guard_threads", None) is None:
             return self.z3guard_stock_step(*args, **kwargs)

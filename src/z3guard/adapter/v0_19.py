@@ -20,7 +20,7 @@ class V0_19(ZeroAdapter):
             return []
         return fastpaths.apply(engine, options.fast_writeback, options.fast_overflow_check, options.host_threads,
                                options.fast_persistent_gather, options.fast_fused_step,
-                               options.fast_grad_offload, options.huge_pages)
+                               options.fast_grad_offload)
 
     def remove_fast_paths(self, engine: Any) -> None:
         if engine.optimizer is not None and hasattr(engine.optimizer, "parameter_offload"):
