@@ -3,13 +3,13 @@
 # (hostthreads.worker_release) speed up the next forward? The both-offloads GPU bit-identity (52 steps,
 # 5 skipped), then the harness, both offloads, a process group per run: z3guard-spin (workers left
 # spinning, as before), z3guard, stock, z3guard, z3guard-spin (8 warm-up + 12 timed steps).
-#   bash gpu/spin.sh <call-name>
+#   bash gpu/spin.sh <call-name>     (NPROC=1 on one GPU: one rank, no bit-identity run, which takes two)
 . gpu/call.sh "$@"
-bit_identity
+[ "${NPROC:-2}" = 2 ] && bit_identity
 ORDER="z3guard-spin z3guard stock z3guard z3guard-spin"
 runs=()
 for variant in $ORDER; do runs+=(--run "gpt2:$variant:param+optimizer"); done
-python3 bench/run.py --device cuda --isolate --warmup 8 --steps 12 --timeout 150 --out "$out/$call.json" \
+python3 bench/run.py --device cuda --isolate --nproc ${NPROC:-2} --warmup 8 --steps 12 --timeout 150 --out "$out/$call.json" \
   "${runs[@]}" 2>&1 | tail -n 9
 python3 - "$out/$call.json" <<'PY'
 import json, sys
