@@ -30,6 +30,7 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nofused": {"fast_fused_step": False},
     "z3guard-nothreads": {"host_threads": 0},
     "z3guard-threads8": {"host_threads": 8},
+    "z3guard-threads16": {"host_threads": 16},  # one rank on 16 cores, where torchrun leaves the count
     "z3guard-spin": {},  # see run_one
     "z3guard-nogather": {"fast_persistent_gather": False},
     "z3guard-nowriteback": {"fast_writeback": False},
