@@ -172,7 +172,7 @@ def _sweep(opt, fusedstep, stock_update, combos: list[str], steps: int, one, fir
         for _ in range(2):
             for combo in combos:
                 threads, chunk = (int(x) for x in combo.split(":"))
-                opt.z3guard_threads = (controller, threads, lambda: None)
+                opt.z3guard_threads = (controller, threads)
 
                 def timed_update(*args, _chunk=chunk, _into=took[combo]["pass"]):
                     t0 = time.perf_counter()

@@ -53,8 +53,7 @@ def _timed(obj, key: str, totals: dict[str, list[float]], sync) -> None:
 
 
 def profile(variant: str, offload: str, model: str, steps: int, device: torch.device, world: int,
-            warmup: int = 3, timers_only: bool = False, alternate: bool = False,
-            alternate_release: bool = False) -> list[dict]:
+            warmup: int = 3, timers_only: bool = False, alternate: bool = False) -> list[dict]:
     import z3guard
 
     z3guard.uninstall()
@@ -80,9 +79,6 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     if timers_only:
         fast_paths = z3guard.guard(engine).fast_paths if variant in GUARD_OPTIONS else []
         switch = _grad_offload_switch(engine.optimizer) if alternate else None
-        label = "grad_offload"
-        if alternate_release:
-            switch, label = _release_switch(), "workers released"
         halves: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
         for i, step in enumerate(range(first, first + steps)):
             on = i % 2 == 0
@@ -95,7 +91,7 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
         engine.destroy()
         z3guard.uninstall()
         runs = [(variant, True, steps)] if not switch else \
-            [(f"{variant} {label} on", True, steps // 2), (f"{variant} {label} off", False, steps // 2)]
+            [(f"{variant} grad_offload on", True, steps // 2), (f"{variant} grad_offload off", False, steps // 2)]
         return [{"variant": name, "offload": offload, "model": model, "steps": n, "warmup": warmup,
                  "fast_paths": fast_paths, "phases_ms": _medians(halves[on], n), "phases_s": halves[on]}
                 for name, on, n in runs]
@@ -136,16 +132,6 @@ def _grad_offload_switch(opt):
         raise SystemExit(f"--alternate: {err}") from None
 
 
-def _release_switch():
-    """The OpenMP workers ended after the step (hostthreads.worker_release) or left spinning, for the
-    *next* step's forward: set during a step for the one after it (`--alternate-release`)."""
-    from z3guard.adapter import hostthreads
-
-    def switch(on: bool) -> None:
-        hostthreads.RELEASE_AFTER_STEP = not on  # this step's forward followed the last step's choice: `on`
-    return switch
-
-
 def _medians(phases: dict[str, list[float]], steps: int) -> dict[str, float]:
     """ms per step: the median call times the calls per step."""
     return {k: 1e3 * statistics.median(v) * (len(v) / steps) for k, v in phases.items()}
@@ -156,8 +142,6 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
          timers_only: bool = typer.Option(False, help="phase timers only: no torch.profiler, no cProfile"),
          alternate: bool = typer.Option(False, help="with --timers-only: fast_grad_offload on and off on "
                                                     "alternate steps of each engine, reported as two columns"),
-         alternate_release: bool = typer.Option(False, help="with --timers-only: the OpenMP workers ended "
-                                                            "after the step or left spinning, alternately"),
          out: Path = typer.Option(None)) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -169,8 +153,7 @@ def main(offload: str = "param+optimizer", model: str = "gpt2", device: str = "c
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     records = [r for v in variants
-               for r in profile(v, offload, model, steps, dev, dist.get_world_size(), warmup, timers_only, alternate,
-                             alternate_release)]
+               for r in profile(v, offload, model, steps, dev, dist.get_world_size(), warmup, timers_only, alternate)]
     if dist.get_rank() == 0:
         console = Console(width=150)
         t = Table(title=f"{model}, offload {offload}: ms per step (phase: median per call x calls per step)")

@@ -30,8 +30,6 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nofused": {"fast_fused_step": False},
     "z3guard-nothreads": {"host_threads": 0},
     "z3guard-threads8": {"host_threads": 8},
-    "z3guard-threads16": {"host_threads": 16},  # one rank on 16 cores, where torchrun leaves the count
-    "z3guard-spin": {},  # see run_one
     "z3guard-nogather": {"fast_persistent_gather": False},
     "z3guard-nowriteback": {"fast_writeback": False},
     "z3guard-nocheck": {"fast_overflow_check": False},
@@ -101,9 +99,6 @@ def run_one(spec: dict, rank: int, world: int, device: torch.device) -> dict:
         raise ValueError(f"unknown variant {variant!r}: one of {sorted({**VARIANT_CONFIG, **GUARD_OPTIONS})}")
     z3guard.uninstall()
     if variant in GUARD_OPTIONS:
-        from z3guard.adapter import hostthreads
-
-        hostthreads.RELEASE_AFTER_STEP = variant != "z3guard-spin"  # OpenMP workers left spinning, as before
         z3guard.install(z3guard.GuardOptions(warn=False, **GUARD_OPTIONS[variant]))
     size = models.Size.of(device.type)
     micro = size.batch * (4 if name == "clip" else 1)

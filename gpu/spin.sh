@@ -3,7 +3,8 @@
 # (hostthreads.worker_release) speed up the next forward? The both-offloads GPU bit-identity (52 steps,
 # 5 skipped), then the harness, both offloads, a process group per run: z3guard-spin (workers left
 # spinning, as before), z3guard, stock, z3guard, z3guard-spin (8 warm-up + 12 timed steps).
-#   bash gpu/spin.sh <call-name>     (NPROC=1 on one GPU: one rank, no bit-identity run, which takes two)
+#   bash gpu/spin.sh <call-name>     (at 1b028f8, where the release exists; removed after b55)
+#   NPROC=1 on one GPU: one rank, no bit-identity run (which takes two)
 . gpu/call.sh "$@"
 [ "${NPROC:-2}" = 2 ] && bit_identity
 ORDER="z3guard-spin z3guard stock z3guard z3guard-spin"

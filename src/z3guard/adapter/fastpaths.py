@@ -18,7 +18,6 @@ their own.
   hands each OpenMP iteration whole SIMD blocks (the split between vector and scalar code does not move
   with the thread count), the unscale is one multiply per element, the overflow check is a yes/no.
   PyTorch's own CPU optimizers split ranges at thread-dependent boundaries, so they are left alone.
-  After the step the workers are ended rather than left spinning into the next forward (hostthreads.py).
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from . import fusedstep, gradoffload, hostgrads, overflow, persistent
-from .hostthreads import host_threads, worker_release
+from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
 CHUNK_NUMEL = 1 << 24  # 16M elements: 32 MiB of fp16 on the device at a time
@@ -99,8 +98,7 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
     if n:
         from threadpoolctl import ThreadpoolController
 
-        controller = ThreadpoolController()
-        opt.z3guard_threads = (controller, n, worker_release(controller))
+        opt.z3guard_threads = (ThreadpoolController(), n)
         applied.append(f"host_threads={n}")
     if n or "fused_step" in applied or "persistent_gather" in applied:
         opt.z3guard_stock_step = opt.step
@@ -145,12 +143,9 @@ def _step(self, *args, **kwargs):
     try:
         if getattr(self, "z3guard_threads", None) is None:
             return self.z3guard_stock_step(*args, **kwargs)
-        controller, n, release = self.z3guard_threads
-        try:
-            with controller.limit(limits=n, user_api="openmp"):  # restored on exit
-                return self.z3guard_stock_step(*args, **kwargs)
-        finally:
-            release()
+        controller, n = self.z3guard_threads
+        with controller.limit(limits=n, user_api="openmp"):  # restored on exit
+            return self.z3guard_stock_step(*args, **kwargs)
     finally:
         self.z3guard_in_step = False
         getattr(self, "z3guard_fused", {}).clear()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -37,24 +37,3 @@ def host_threads(requested: int | None) -> int:
         return 0
     per_rank = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return per_rank if per_rank > 1 else 0
-
-
-OMP_PAUSE_SOFT = 1
-RELEASE_AFTER_STEP = True  # bench/worker.py's z3guard-spin turns it off, to measure what it changes
-
-
-def worker_release(controller: Any) -> Callable[[], None]:
-    """What ends the OpenMP worker threads once the step is done. GNU OpenMP's workers spin after each
-    parallel region (GOMP_SPINCOUNT, 300,000 pauses: milliseconds) before they sleep; after the step's last
-    region that is the rank's share of the cores busy while the next forward starts. Stock, on one thread
-    per rank, has no workers. `omp_pause_resource_all` (OpenMP 5.0) ends them; the next step starts new
-    ones. Where a runtime lacks it, they are left as they are."""
-    pauses = [getattr(lib.dynlib, "omp_pause_resource_all", None)
-              for lib in controller.lib_controllers if lib.user_api == "openmp"]
-    pauses = [p for p in pauses if p is not None]
-
-    def release() -> None:
-        if RELEASE_AFTER_STEP:
-            for pause in pauses:
-                pause(OMP_PAUSE_SOFT)
-    return release
