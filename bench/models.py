@@ -84,6 +84,13 @@ def make(model: str, device: str) -> tuple[nn.Module, Size]:
     size = Size.of(device)
     if model == "gpt2":
         return GPT2Like(size), size
+    if model == "gpt2-leaf":  # each block fetched whole: DeepSpeed's leaf-module setting, as a user sets it
+        from deepspeed.utils import set_z3_leaf_modules
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        model_ = GPT2Like(size)
+        set_z3_leaf_modules(model_, [GPT2Block])
+        return model_, size
     if model == "gpt2-skip":
         return GPT2Like(size, skip_odd=True), size
     if model == "gpt2-moe":
