@@ -26,7 +26,8 @@ VARIANT_CONFIG = {  # stock DeepSpeed, and its workarounds as config
 GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alone), or all but one
     "z3guard": {},
     "z3guard-nofast": {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-                       "fast_fused_step": False, "fast_grad_offload": False, "host_threads": 0},
+                       "fast_fused_step": False, "fast_grad_offload": False, "fast_block_fetch": False,
+                       "host_threads": 0},
     "z3guard-nofused": {"fast_fused_step": False},
     "z3guard-nothreads": {"host_threads": 0},
     "z3guard-threads8": {"host_threads": 8},
@@ -34,6 +35,7 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nowriteback": {"fast_writeback": False},
     "z3guard-nocheck": {"fast_overflow_check": False},
     "z3guard-nogradoffload": {"fast_grad_offload": False},
+    "z3guard-noblocks": {"fast_block_fetch": False},
 }
 OFFLOAD = {
     "none": {},

@@ -26,16 +26,19 @@ def test_supported_releases_pick_their_adapter(release, module):
 
 def test_install_is_idempotent_and_uninstall_restores_deepspeed():
     import deepspeed
-    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload, ZeROOrderedDict
 
-    original = (deepspeed.initialize, ZeROOrderedDict.__getitem__)
+    def patchable():
+        return deepspeed.initialize, ZeROOrderedDict.__getitem__, DeepSpeedZeRoOffload.__init__
+
+    original = patchable()
     z3guard.install()
-    patched = (deepspeed.initialize, ZeROOrderedDict.__getitem__)
-    assert patched != original
+    patched = patchable()
+    assert all(p is not o for p, o in zip(patched, original))
     z3guard.install()
-    assert (deepspeed.initialize, ZeROOrderedDict.__getitem__) == patched
+    assert patchable() == patched
     z3guard.uninstall()
-    assert (deepspeed.initialize, ZeROOrderedDict.__getitem__) == original
+    assert patchable() == original
     z3guard.uninstall()  # a no-op when nothing is installed
 
 

@@ -34,7 +34,7 @@ def install(options: GuardOptions | None = None) -> None:
         _state["options"] = options
     if _state["installed"]:
         return
-    adapter.load().patch_globals(on_read, _on_engine)
+    adapter.load().patch_globals(on_read, _on_engine, _fetch_blocks)
     _state["installed"] = _state["patched"] = True
 
 
@@ -63,11 +63,16 @@ def guard(engine: Any, options: GuardOptions | None = None) -> "EngineGuard | No
     if not ad.is_zero3(engine):
         log.info("z3guard: engine is not ZeRO stage 3; nothing to guard")
         return None
-    ad.patch_globals(on_read, _on_engine)  # reads must be seen even without install()
+    ad.patch_globals(on_read, _on_engine, _fetch_blocks)  # reads must be seen even without install()
     _state["patched"] = True
     g = EngineGuard(engine, ad, options or _state["options"])
     _GUARDED[engine] = g
     return g
+
+
+def _fetch_blocks() -> bool:
+    """Asked as an engine is built: blocks are marked only for the engines install() guards."""
+    return _state["installed"] and _state["options"].fast_block_fetch
 
 
 def _on_engine(engine: Any) -> None:

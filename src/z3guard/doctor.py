@@ -64,9 +64,10 @@ def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None)
     ckpt = str(plan.out / "checkpoint")
     common = dict(scenario=plan.scenario, model=plan.model, batch=plan.batch, hf_path=plan.hf_path,
                   hidden=plan.hidden, dtype=plan.dtype)
+    # observed module by module, as stock ZeRO-3 fetches: a read inside a block fetched whole is a hazard still
     first = run_jobs([Job("observe", guard=True, steps=4, events={"2": ["eval"]}, save_at=[4], save_dir=ckpt,
-                          options={"warn": False}, **common)], plan.out / "observe", nproc=plan.nproc,
-                     on_progress=on_progress)
+                          options={"warn": False, "fast_block_fetch": False}, **common)],
+                     plan.out / "observe", nproc=plan.nproc, on_progress=on_progress)
     seen = first.result("observe")
     pairs = sorted({(r["module"], r["param"]) for r in seen.get("reads", [])})
     stock = [Job("stock-skip", steps=7, skip_at=[6], load_dir=ckpt, **common),

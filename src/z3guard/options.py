@@ -41,6 +41,13 @@ class GuardOptions:
     copy there (an exact cast), and DeepSpeed's gradient accessors get them written first. Same bytes (the
     same IEEE operations in the same order); off only to compare with stock."""
 
+    fast_block_fetch: bool = True
+    """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of
+    module by module through hooks that cost more than the copies at transformer sizes. Applies to the
+    engines built after `install()` (an existing engine's hooks are set already), on DeepSpeed 0.19; never
+    where the model has a leaf module or a granularity threshold of the user's. Bit-identical (the same
+    sums, each gradient reduced once); off to keep DeepSpeed's per-module fetch. See adapter/blockfetch.py."""
+
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import inspect
 from typing import Any, Callable, Iterator
 
 import torch
@@ -19,6 +21,7 @@ except ImportError:  # before 0.13 there were no leaf modules
     def z3_leaf_module(module: nn.Module) -> bool:
         return False
 
+from . import blockfetch
 from .base import EngineHook, ReadHook, TraceHooks
 
 # torch.compiler.is_compiling arrived in torch 2.3; before it, torch._dynamo's
@@ -110,16 +113,20 @@ class ZeroAdapter:
     """Everything but the coordinator's lifecycle, which differs between releases."""
 
     guarded_class: type = GuardedCoordinator
+    fetches_blocks = False  # whole-block fetch (blockfetch.py): on the releases where it was checked
 
     def __init__(self) -> None:
         self._saved: dict[str, Any] = {}
 
     # -- global patches --------------------------------------------------------------------
-    def patch_globals(self, on_read: ReadHook, on_engine: EngineHook) -> None:
+    def patch_globals(self, on_read: ReadHook, on_engine: EngineHook,
+                      fetch_blocks: Callable[[], bool] = lambda: False) -> None:
         if self._saved:
             return
         original_getitem = _po.ZeROOrderedDict.__getitem__
         original_initialize = deepspeed.initialize
+        original_offload_init = _po.DeepSpeedZeRoOffload.__init__
+        marks_blocks = self.fetches_blocks
 
         def __getitem__(self, key):
             param = dict.__getitem__(self, key)
@@ -135,16 +142,27 @@ class ZeroAdapter:
             on_engine(result[0])
             return result
 
+        @functools.wraps(original_offload_init)
+        def offload_init(offload, module, *args, **kwargs):  # before ZeRO-3 registers its module hooks
+            if marks_blocks and fetch_blocks():
+                settings = inspect.signature(original_offload_init).bind(offload, module, *args, **kwargs)
+                settings.apply_defaults()
+                blockfetch.before_hooks(module, settings.arguments)
+            original_offload_init(offload, module, *args, **kwargs)
+
         initialize.__wrapped__ = original_initialize
-        self._saved = {"getitem": original_getitem, "initialize": original_initialize}
+        self._saved = {"getitem": original_getitem, "initialize": original_initialize,
+                       "offload_init": original_offload_init}
         _po.ZeROOrderedDict.__getitem__ = __getitem__
         deepspeed.initialize = initialize
+        _po.DeepSpeedZeRoOffload.__init__ = offload_init
 
     def unpatch_globals(self) -> None:
         if not self._saved:
             return
         _po.ZeROOrderedDict.__getitem__ = self._saved["getitem"]
         deepspeed.initialize = self._saved["initialize"]
+        _po.DeepSpeedZeRoOffload.__init__ = self._saved["offload_init"]
         self._saved = {}
 
     # -- engine and parameters -------------------------------------------------------------

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import fastpaths
+from . import blockfetch, fastpaths
 from .common import ZeroAdapter
 
 
 class V0_19(ZeroAdapter):
+    fetches_blocks = True
+
     def coordinators(self, engine: Any) -> list:
         return [self.offload(engine).get_param_coordinator()]
 
@@ -16,11 +18,13 @@ class V0_19(ZeroAdapter):
         return [engine.module.ds_inflight_param_registry]
 
     def apply_fast_paths(self, engine: Any, options: Any) -> list[str]:
+        blocks = blockfetch.marked(engine.module)  # fetched whole since the engine was built
+        applied = [f"block_fetch={blocks}"] if blocks else []
         if engine.optimizer is None or not hasattr(engine.optimizer, "parameter_offload"):
-            return []
-        return fastpaths.apply(engine, options.fast_writeback, options.fast_overflow_check, options.host_threads,
-                               options.fast_persistent_gather, options.fast_fused_step,
-                               options.fast_grad_offload)
+            return applied
+        return applied + fastpaths.apply(engine, options.fast_writeback, options.fast_overflow_check,
+                                         options.host_threads, options.fast_persistent_gather,
+                                         options.fast_fused_step, options.fast_grad_offload)
 
     def remove_fast_paths(self, engine: Any) -> None:
         if engine.optimizer is not None and hasattr(engine.optimizer, "parameter_offload"):

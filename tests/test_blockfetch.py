@@ -1,0 +1,70 @@
+"""Issue 8: each repeated block fetched whole (a ZeRO-3 leaf module) gives the same bytes as stock DeepSpeed."""
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from z3guard.adapter.blockfetch import before_hooks, repeated_blocks
+from z3guard.scenarios import compare
+from z3guard.scenarios.job import Job
+from z3guard.scenarios.models import Block, Routed, TinyLM
+
+from .conftest import launch
+
+MANY = 10**9
+
+
+def test_the_repeated_blocks_of_a_module_list_are_chosen():
+    model = TinyLM(depth=3)
+    assert repeated_blocks(model, MANY) == list(model.blocks)
+
+
+def test_experts_are_chosen_each_not_the_block_that_routes_between_them():
+    model = TinyLM(experts=4, depth=2)  # a routed block would fetch every expert where one runs
+    chosen = repeated_blocks(model, MANY)
+    assert not any(isinstance(m, Routed) for m in chosen)
+    assert chosen == [expert for block in model.blocks for expert in block.experts]
+
+
+@pytest.mark.parametrize("model, why", [
+    (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "one module each: nothing to fetch together"),
+    (nn.Sequential(Block(8), nn.Linear(8, 8)), "a block that does not repeat"),
+])
+def test_nothing_else_is_chosen(model, why):
+    assert repeated_blocks(model, MANY) == [], why
+
+
+def test_a_block_larger_than_deepspeeds_live_parameter_bound_stays_per_module():
+    model = TinyLM(depth=3, width=64)
+    size = sum(p.numel() for p in model.blocks[0].parameters())
+    assert repeated_blocks(model, size) == list(model.blocks)
+    assert repeated_blocks(model, size - 1) == []
+
+
+def test_the_users_granularity_is_left_alone():
+    from deepspeed.utils import set_z3_leaf_modules
+
+    model = TinyLM(depth=3)
+    set_z3_leaf_modules(model, [nn.LayerNorm])  # any leaf module of the user's
+    assert repeated_blocks(model, MANY) == []
+    settings = {"max_live_parameters": MANY, "zenflow": False, "zero_module_granularity_threshold": 1000}
+    assert before_hooks(TinyLM(depth=3), settings) == 0
+
+
+def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs):
+    """Real ZeRO-3 with both offloads, fp16, the report's tied LM (its head reads the embedding's weight):
+    stock against z3guard with its blocks fetched whole and without."""
+    skips = [3, 10, 25, 26, 40]
+    common = dict(scenario="tied", steps=52, skip_at=skips)
+    done = launch([Job("stock", **common), Job("blocks", guard=True, **common),
+                   Job("modules", guard=True, options={"fast_block_fetch": False}, **common)], runs / "blockfetch")
+    blocks, modules = done.result("blocks"), done.result("modules")
+    assert "block_fetch=3" in blocks["fast_paths"]
+    assert not any(p.startswith("block_fetch") for p in modules["fast_paths"])
+    # what ZeRO-3 fetched, as its trace recorded it: a block, or the block's modules one by one
+    assert "blocks.0" in blocks["module_counts"] and "blocks.0.fc1" not in blocks["module_counts"]
+    assert "blocks.0.fc1" in modules["module_counts"]
+    assert done.result("stock")["skipped"] == blocks["skipped"] == modules["skipped"] == skips
+    for name in ("blocks", "modules"):  # losses, weights, both ranks' optimizer states
+        diff = compare.first_job_difference(done, "stock", name)
+        assert diff is None, f"{name}: {diff}"
