@@ -38,14 +38,15 @@ PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both,
 
 
 def bit_identity(device: str, out: Path, options: dict | None = None, only: str = "",
-                 control: bool = False) -> list[dict]:
+                 control: bool = False, scenario: str = "clip") -> list[dict]:
     """`options`: GuardOptions fields of the z3guard run; `only`: the pairs whose name contains it;
-    `control`: stock against stock (is the stock run itself repeatable here?)."""
+    `control`: stock against stock (is the stock run itself repeatable here?); `scenario`: the model
+    ("tied": an LM of repeated blocks, which z3guard fetches whole)."""
     rows = []
     for i, (name, config) in enumerate(PAIRS.items()):
         if only not in name:
             continue
-        common = dict(steps=52, skip_at=SKIPS, config=config, events=EVENTS, **GRADS)
+        common = dict(scenario=scenario, steps=52, skip_at=SKIPS, config=config, events=EVENTS, **GRADS)
         jobs = [Job(job, **common, guard=guard, options=(options or {}) if guard else {}, save_at=[20],
                     save_dir=str(out / f"pair{i}" / f"ckpt-{job}"))
                 for job, guard in (("stock", False), ("z3guard", not control))]
@@ -75,12 +76,13 @@ def main(device: str = "cuda", out: Path = Path("/tmp/steady"),
          steps: int = typer.Option(1000, help="steps of the memory run; 0 skips it"),
          options: str = typer.Option("{}", help="GuardOptions fields of the z3guard runs, as JSON"),
          only: str = typer.Option("", help="only the pairs whose name contains this"),
-         control: bool = typer.Option(False, help="stock against stock instead of z3guard")) -> None:
+         control: bool = typer.Option(False, help="stock against stock instead of z3guard"),
+         scenario: str = typer.Option("clip", help="the model of the bit-identity pairs")) -> None:
     console = Console(width=160)
     out.mkdir(parents=True, exist_ok=True)
-    rows = bit_identity(device, out, json.loads(options), only, control)
+    rows = bit_identity(device, out, json.loads(options), only, control, scenario)
     mem = memory(device, out, steps) if steps else {}
-    t = Table(title=f"fast paths vs stock, 52 steps, skipped {SKIPS} ({device})")
+    t = Table(title=f"fast paths vs stock, {scenario}, 52 steps, skipped {SKIPS} ({device})")
     for col in ("run", "fast paths", "skipped equal", "first difference"):
         t.add_column(col)
     for r in rows:
