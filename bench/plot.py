@@ -21,7 +21,7 @@ def main(results: Path, out: Path) -> None:
     records = json.loads(results.read_text())
     groups = sorted({(r["model"], r["offload"], r.get("call", "")) for r in records},
                     key=lambda g: (_call_number(g[2]), g[0], g[1]))
-    variants = ["stock", "stock-persist0", "stock-noprefetch", "z3guard-nofast", "z3guard"]
+    variants = ["stock", "stock-persist0", "stock-noprefetch", "z3guard-nofast", "z3guard-noblocks", "z3guard"]
     fig, ax = plt.subplots(figsize=(14, 5.2))
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
