@@ -2,9 +2,9 @@
 leaf modules before DeepSpeed registers its hooks.
 
 Why: ZeRO-3 fetches and releases per module, through Python hooks around every module's forward and
-backward (a GPT-2 block has ten modules, four of them with no parameters of their own). At GPT-2-medium
-size on H200s those hooks, not the copies, are most of the forward and backward with offload: b57 measured
-the both-offloads step 516 -> 325-358 ms with whole blocks (forward 192 -> 72-84 ms). FSDP2 gathers per
+backward (a GPT-2 block has thirteen modules, seven of them with no parameters of their own). At GPT-2-medium
+size on H200s those hooks, not the copies, are most of the forward and backward with offload: b58 measured
+the both-offloads step 480 -> 321-343 ms with whole blocks (forward 138 -> 73-80 ms). FSDP2 gathers per
 block for the same reason. DeepSpeed's leaf modules do exactly this (one fetch, one release per block) and
 change no arithmetic: each gradient is the same sum and is reduced once, after its block's backward.
 
