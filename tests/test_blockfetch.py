@@ -1,6 +1,8 @@
 """Issue 8: each repeated block fetched whole (a ZeRO-3 leaf module) gives the same bytes as stock DeepSpeed."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from torch import nn
 
@@ -68,3 +70,19 @@ def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs):
     for name in ("blocks", "modules"):  # losses, weights, both ranks' optimizer states
         diff = compare.first_job_difference(done, "stock", name)
         assert diff is None, f"{name}: {diff}"
+
+
+@pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
+def test_blocks_fetched_whole_under_activation_checkpointing_are_bit_identical(runs, kind, monkeypatch):
+    """Each block recomputed in the backward (Hugging Face's gradient checkpointing does this per layer)."""
+    from pathlib import Path
+
+    scripts = str(Path(__file__).parent / "scripts")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])))
+    common = dict(model=f"checkpointed_lm:{kind}", batch="checkpointed_lm:batch", hidden=64,
+                  config={"fp16": {"initial_scale_power": 8}}, steps=14, skip_at=[3, 10],
+                  events={"5": ["gathered"], "11": ["eval"]})
+    done = launch([Job("stock", **common), Job("blocks", guard=True, **common)], runs / f"blockfetch-{kind}")
+    assert "block_fetch=3" in done.result("blocks")["fast_paths"]
+    diff = compare.first_job_difference(done, "stock", "blocks")
+    assert diff is None, str(diff)

@@ -1,0 +1,32 @@
+"""Model factories for tests/test_blockfetch.py: the tied LM with each block under activation checkpointing
+(as Hugging Face's gradient checkpointing runs a model's layers), reentrant or not."""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from z3guard.scenarios.catalog import _token_batch
+from z3guard.scenarios.models import TinyLM
+
+
+class CheckpointedLM(TinyLM):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.training else block(x)
+        return self.head(x, self, step)
+
+
+def reentrant() -> CheckpointedLM:
+    return CheckpointedLM(reentrant=True)
+
+
+def non_reentrant() -> CheckpointedLM:
+    return CheckpointedLM(reentrant=False)
+
+
+batch = _token_batch
