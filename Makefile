@@ -3,15 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.z3guard-ready
-# DeepSpeed 0.14.4, the oldest release that runs beside torch 2.13 on CPU, in an environment of its own.
-COMPAT := .venv-ds0.14
-COMPAT_STAMP := $(COMPAT)/.z3guard-ready
+# Every other CPU-tested DeepSpeed release, one after another in one environment (tests/releases.py).
+RELEASES := .venv-releases
+RELEASES_STAMP := $(RELEASES)/.z3guard-ready
+# z3guard as users get it: the sdist and wheel `python -m build` makes, the wheel installed (not editable).
+WHEEL := .venv-wheel
 PIP := -m pip install -q --disable-pip-version-check
 export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-main test-compat venv clean
+.PHONY: demo test test-main test-wheel test-releases venv clean
 
 venv: $(STAMP)
 
@@ -23,23 +25,32 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PY) $(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
-$(COMPAT_STAMP): pyproject.toml requirements-compat.txt
-	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
-	$(COMPAT)/bin/python $(PIP) torch==2.13.0 setuptools wheel
-	$(COMPAT)/bin/python $(PIP) --no-build-isolation -r requirements-compat.txt
-	$(COMPAT)/bin/python $(PIP) --no-deps --no-build-isolation -e .
+$(RELEASES_STAMP): pyproject.toml requirements-releases.txt
+	test -x $(RELEASES)/bin/python || $(PYTHON) -m venv $(RELEASES)
+	$(RELEASES)/bin/python $(PIP) torch==2.13.0 setuptools wheel
+	$(RELEASES)/bin/python $(PIP) --no-build-isolation -r requirements-releases.txt
+	$(RELEASES)/bin/python $(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/z3guard repro
 
-test: test-main test-compat
+test: test-main test-wheel test-releases
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q tests
 
-test-compat: $(COMPAT_STAMP)
-	$(COMPAT)/bin/python -m pytest -q tests/test_matrix.py tests/test_gather.py tests/test_contract.py
+test-wheel: $(STAMP)
+	rm -rf dist $(WHEEL)
+	$(PY) -m build --no-isolation --outdir dist . > /dev/null
+	$(PYTHON) -m venv $(WHEEL)
+	$(WHEEL)/bin/python $(PIP) torch==2.13.0 setuptools wheel
+	$(WHEEL)/bin/python $(PIP) --no-build-isolation -r requirements-cpu.txt
+	$(WHEEL)/bin/python $(PIP) --no-deps dist/z3guard-*.whl
+	Z3GUARD_WHEEL_PYTHON=$(abspath $(WHEEL))/bin/python $(PY) -m pytest -q tests/test_wheel.py
+
+test-releases: $(RELEASES_STAMP)
+	$(RELEASES)/bin/python tests/releases.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT) runs
+	rm -rf $(VENV) $(RELEASES) $(WHEEL) dist runs

@@ -58,16 +58,18 @@ if ! DS_ACCELERATOR=cpu "$PY" -c "import deepspeed, pytest_timeout, transformers
     "pytest>=7.2,<8.4" pytest-timeout numpy typer rich transformers==5.24.0 accelerate==1.15.0
   "$VENV/bin/pip" install --no-deps --no-build-isolation -e "$ROOT"
 fi
-# Start-up hook: a no-op unless Z3GUARD_AUTOINSTALL=1, so one venv serves both runs.
+# Start-up hook: the one a wheel install puts in site-packages (an editable install does not); a no-op
+# unless Z3GUARD=1, so one venv serves both runs.
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-echo "import z3guard.autoinstall" > "$SITE/z3guard_autoinstall.pth"
+rm -f "$SITE/z3guard_autoinstall.pth"
+cp "$ROOT/src/z3guard.pth" "$SITE/z3guard.pth"
 check='import deepspeed, z3guard; print(z3guard._state["installed"])'
-[ "$(cd /tmp && DS_ACCELERATOR=cpu Z3GUARD_AUTOINSTALL=1 "$PY" -c "$check" 2>/dev/null | tail -1)" = True ] &&
+[ "$(cd /tmp && DS_ACCELERATOR=cpu Z3GUARD=1 "$PY" -c "$check" 2>/dev/null | tail -1)" = True ] &&
 [ "$(cd /tmp && DS_ACCELERATOR=cpu "$PY" -c "$check" 2>/dev/null | tail -1)" = False ] ||
   { echo "z3guard start-up hook not effective in $VENV" >&2; exit 1; }
 
 export DS_ACCELERATOR=cpu LOCAL_SIZE=8 OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR="$WORK/torch-ext"
-unset Z3GUARD_AUTOINSTALL
+unset Z3GUARD
 
 # 4. One suite: chunks of $CHUNK ids per pytest call, from tests/ so its pytest.ini applies.
 run_suite() {  # label, extra env assignments...
@@ -103,7 +105,7 @@ EOF
 }
 
 run_suite stock
-run_suite z3guard Z3GUARD_AUTOINSTALL=1
+run_suite z3guard Z3GUARD=1
 
 # 5. Test-by-test comparison.
 "$PY" - "$OUT/peer-stock.txt" "$OUT/peer-z3guard.txt" > "$OUT/peer-compare.txt" <<'EOF'

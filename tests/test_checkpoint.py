@@ -259,3 +259,21 @@ def test_a_save_lock_is_held_only_by_a_live_process_of_this_host(tmp_path):
         assert (problem is not None) == refused, text
         if refused:
             assert f"(process {os.getppid()})" in problem
+
+
+def test_the_way_out_stock_deepspeed_and_zero_to_fp32_read_a_z3guard_checkpoint(runs):
+    """Uninstalling z3guard loses nothing: stock DeepSpeed, with z3guard absent, loads what z3guard saved to
+    the same weights and fp32 masters, and DeepSpeed's own `zero_to_fp32` converts it."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root = runs / "ckpt-way-out"
+    first = launch([Job("guarded-save", guard=True, steps=2, save_at=[2], save_dir=str(root))], runs / "way-out-save")
+    second = launch([Job("stock-load", steps=2, load_dir=str(root))], runs / "way-out-load")
+    res = second.result("stock-load")
+    assert res["start"] == 2 and res["crash"] is None and "load_error" not in res
+    saved = first.state("guarded-save")
+    assert compare.first_tensor_difference(saved, second.state("stock-load")) is None
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root))
+    masters = {k.removeprefix("master/"): v for k, v in saved.items() if k.startswith("master/")}
+    assert masters and set(fp32) >= set(masters)
+    assert compare.first_tensor_difference(masters, {k: fp32[k].float() for k in masters}) is None

@@ -1,5 +1,5 @@
 """z3guard's own gathers (persistent parameters at a step's start) hand back whole parameters on every
-supported release, where DeepSpeed 0.14's coalesced gather on gloo sometimes does not."""
+tested release, where DeepSpeed's coalesced gather on gloo before 0.19 sometimes does not."""
 from __future__ import annotations
 
 import json
@@ -19,9 +19,11 @@ def test_gathers_of_many_parameters_are_whole(tmp_path):
     ranks = [json.loads((tmp_path / f"gather.rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["z3guard"] == 0 for r in ranks), ranks
     stock_wrong = sum(r["stock"] for r in ranks)
-    if Version(deepspeed.__version__) < Version("0.15"):
-        # 0.14 waits for the last of its gloo all-gathers only: ~5-10% of these gathers came back
-        # partly written (CPU, 2 ranks), so 120 of them without one would be a different release.
+    release = Version(deepspeed.__version__)
+    if release < Version("0.15"):
+        # waits for the last of its gloo all-gathers only: ~5-10% of these gathers came back partly
+        # written (CPU, 2 ranks), so 120 of them without one would be a different release
         assert stock_wrong > 0, ranks
-    else:
-        assert stock_wrong == 0, ranks  # 0.19 waits for each
+    elif release >= Version("0.19.8"):
+        assert stock_wrong == 0, ranks  # waits for each
+    # in between the race is rarer (0.15.4: 1-3 of 60 per rank seen): only z3guard's side is asserted

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -25,17 +27,55 @@ _GUARDED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _state: dict[str, Any] = {"installed": False, "patched": False, "options": GuardOptions()}
 
 
-def install(options: GuardOptions | None = None) -> None:
-    """Guard every ZeRO-3 engine created from now on. Idempotent; refuses an unsupported DeepSpeed."""
+def install(options: GuardOptions | None = None) -> bool:
+    """Guard every ZeRO-3 engine created from now on; returns whether it did. Idempotent.
+
+    On a DeepSpeed whose internals fail z3guard's self-check, nothing is patched and one warning says why
+    (`GuardOptions(strict=True)` raises instead): z3guard never breaks a job it cannot guard."""
     from . import adapter
+    from .adapter.releases import tested
     from .trace import on_read
 
     if options is not None:
         _state["options"] = options
     if _state["installed"]:
-        return
-    adapter.load().patch_globals(on_read, _on_engine, _fetch_blocks)
+        return True
+    try:
+        ad = adapter.load()
+        ad.patch_globals(on_read, _on_engine, _fetch_blocks)
+    except Exception as exc:
+        _unpatch_quietly()
+        if _state["options"].strict:
+            raise
+        _warn_once(f"z3guard: not guarding this job, DeepSpeed runs as it would without z3guard: {exc}")
+        return False
+    if tested(adapter.installed_release()) is None:
+        _warn_once(f"z3guard: DeepSpeed {adapter.installed_release()} is not among the releases z3guard was tested "
+                   "on; its internals passed z3guard's self-check, so the crash fix is on (speed paths follow "
+                   "their own checks). Please report problems with `z3guard env`'s output.")
     _state["installed"] = _state["patched"] = True
+    return True
+
+
+def _unpatch_quietly() -> None:
+    from . import adapter
+
+    try:
+        adapter.load().unpatch_globals()
+    except Exception:  # nothing was patched: load itself failed
+        pass
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    if _rank() == 0:
+        log.warning(message)
+
+
+def _rank() -> int:
+    from .checkpoint import dist
+
+    return dist.rank() if dist.active() else int(os.environ.get("RANK", "0"))
 
 
 def uninstall() -> None:
@@ -52,27 +92,37 @@ def uninstall() -> None:
 
 
 def guard(engine: Any, options: GuardOptions | None = None) -> "EngineGuard | None":
-    """Guard an existing engine; returns its EngineGuard (None if the engine is not ZeRO-3). Idempotent."""
+    """Guard an existing engine; returns its EngineGuard, or None where it is not ZeRO-3 or cannot be
+    guarded (then it runs as stock, after one warning; `strict=True` raises instead). Idempotent."""
     from . import adapter
     from .engine_guard import EngineGuard
     from .trace import on_read
 
     if engine in _GUARDED:
         return _GUARDED[engine]
-    ad = adapter.load()
-    if not ad.is_zero3(engine):
-        log.info("z3guard: engine is not ZeRO stage 3; nothing to guard")
+    options = options or _state["options"]
+    try:
+        ad = adapter.load()
+        if not ad.is_zero3(engine):
+            log.info("z3guard: engine is not ZeRO stage 3; nothing to guard")
+            return None
+        ad.patch_globals(on_read, _on_engine, _fetch_blocks)  # reads must be seen even without install()
+        _state["patched"] = True
+        g = EngineGuard(engine, ad, options)  # all or nothing: a failure part-way undoes what it applied
+    except Exception as exc:
+        if options.strict:
+            raise
+        _warn_once(f"z3guard: this engine is not guarded, DeepSpeed runs it as it would without z3guard: "
+                   f"{type(exc).__name__}: {exc}")
         return None
-    ad.patch_globals(on_read, _on_engine, _fetch_blocks)  # reads must be seen even without install()
-    _state["patched"] = True
-    g = EngineGuard(engine, ad, options or _state["options"])
     _GUARDED[engine] = g
     return g
 
 
 def _fetch_blocks() -> bool:
     """Asked as an engine is built: blocks are marked only for the engines install() guards."""
-    return _state["installed"] and _state["options"].fast_block_fetch
+    options = _state["options"]
+    return _state["installed"] and options.fast_paths and options.fast_block_fetch
 
 
 def _on_engine(engine: Any) -> None:

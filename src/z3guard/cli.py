@@ -17,9 +17,51 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        console.print(f"z3guard {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def main() -> None:
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="print z3guard's version and exit")) -> None:
     """z3guard: reproduce, prevent and diagnose ZeRO-3 trace failures; verify exact resume."""
+
+
+@app.command("env")
+def env(as_json: bool = typer.Option(False, "--json", help="print the same as JSON")) -> None:
+    """What is installed, what z3guard would do with this DeepSpeed and why; paste it into bug reports."""
+    import contextlib
+    import sys
+
+    from .environment import report
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger prints to stdout as it loads
+        data = report()
+    if as_json:
+        print(json.dumps(data, indent=1))
+        return
+    versions = ", ".join(f"{k} {v or '(not installed)'}" for k, v in data["versions"].items())
+    console.print(f"[bold]z3guard env[/]: {versions}; Python {data['python']}")
+    ds = data["deepspeed"]
+    if "error" in ds:
+        console.print(f"DeepSpeed: {ds['error']}")
+    else:
+        tested = f"tested ({ds['tested_on']})" if ds["tested"] else "not in the tested list: guarded if the self-check passes"
+        console.print(f"DeepSpeed {ds['release']}: {tested}; self-check {ds['self_check'] if ds['self_check'] == 'passed' else 'FAILED: ' + '; '.join(ds['self_check'])}")
+        console.print(f"crash fix: {ds['crash_fix']}" + (f"; lifecycle: {ds['lifecycle']}" if "lifecycle" in ds else ""))
+        if "speed_paths" in ds:
+            table = Table("speed path", "on", "why not", "fingerprint")
+            for name, p in ds["speed_paths"].items():
+                table.add_row(name, "yes" if p["on"] else "no", p["why_off"] or "", p["fingerprint"] or "")
+            console.print(table)
+    hook = data["startup_hook"]
+    console.print(f"start-up hook: {hook['installed'] or 'not installed (pip install z3guard, not editable, installs it)'}; "
+                  f"Z3GUARD={hook['Z3GUARD'] or '(unset)'} -> {'enabled' if hook['enabled'] else 'disabled'}; "
+                  f"options: {hook['options']}")
 
 
 class Device(str, Enum):

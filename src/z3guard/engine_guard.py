@@ -27,7 +27,7 @@ class EngineGuard:
         try:  # a failure part-way undoes what was applied: never a half-guarded engine
             self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics)
             undo.append(self.trace.remove)
-            adapter.guard_coordinator(engine, self.trace)
+            adapter.guard_coordinator(engine, self.trace, multi_trace=options.fast_paths)
             undo.append(lambda: adapter.unguard_coordinator(engine))
             self.checkpoint = CheckpointGuard(engine, adapter)
             undo.append(self.checkpoint.remove)
@@ -36,8 +36,21 @@ class EngineGuard:
             for step in reversed(undo):
                 step()
             raise
-        if rank0 and self.fast_paths:
-            log.info("z3guard: offload fast paths on: %s", ", ".join(self.fast_paths))
+        if rank0:
+            log.warning(self.banner())
+
+    def banner(self) -> str:
+        """The one line rank 0 logs when the engine is guarded: what z3guard does to it, how to stop it."""
+        from . import __version__
+        from .adapter import installed_release
+
+        coordinators = self.adapter.coordinators(self.engine)
+        paths = (["multi_trace"] if any(getattr(c, "multi_trace", False) for c in coordinators) else [])
+        paths += self.fast_paths
+        return (f"z3guard {__version__} guards this ZeRO-3 engine (DeepSpeed {installed_release()}): trace guard, "
+                f"checkpoint guard; speed paths: {', '.join(paths) if paths else 'none'}. Speed paths off: "
+                "Z3GUARD_OPTIONS=fast_paths=off or GuardOptions(fast_paths=False); z3guard off: Z3GUARD=0 or "
+                "no z3guard.install()")
 
     def remove(self) -> None:
         self.adapter.unguard_coordinator(self.engine)

@@ -10,6 +10,11 @@ class GuardOptions:
     """Log one warning per distinct trace divergence (rank 0). Records are kept either way; turn the
     warnings off where a dynamic model diverges by design and the summary is enough."""
 
+    fast_paths: bool = True
+    """All speed paths at once. False keeps only the crash fix and the checkpoint guard: DeepSpeed's own
+    code runs everywhere else (each `fast_*` below then has no effect). The switch to reach for first
+    when something looks wrong."""
+
     fast_writeback: bool = True
     """With `offload_param`: cast the updated fp32 partition to fp16/bf16 on the device and copy it into
     the pinned buffer in chunks, instead of DeepSpeed's copy that builds a pageable fp32 host temporary
@@ -48,6 +53,11 @@ class GuardOptions:
     where the model has a leaf module or a granularity threshold of the user's. Bit-identical (the same
     sums, each gradient reduced once); off to keep DeepSpeed's per-module fetch. See adapter/blockfetch.py."""
 
+    strict: bool = False
+    """Raise where z3guard cannot guard (a DeepSpeed whose internals fail the self-check, a guard that fails
+    to apply) instead of warning once and letting stock DeepSpeed run. For users who would rather stop
+    than train unguarded."""
+
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did
@@ -65,3 +75,39 @@ class GuardOptions:
                                      f"number of threads, got {value!r}")
             elif type(value) is not bool:
                 raise ValueError(f"GuardOptions.{f.name}: expected True or False, got {value!r}")
+
+
+TRUE = ("1", "on", "true", "yes")
+FALSE = ("0", "off", "false", "no")
+
+
+def from_environment(text: str) -> GuardOptions:
+    """GuardOptions from `Z3GUARD_OPTIONS`'s form: comma-separated `field=value`, e.g.
+    "fast_paths=off,host_threads=8". Booleans take on/off, true/false, yes/no, 1/0; host_threads takes
+    auto, off or a number. Refuses an unknown field or a bad value by name, with what is allowed."""
+    known = {f.name: f for f in fields(GuardOptions)}
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = (x.strip() for x in item.partition("="))
+        if name not in known:
+            raise ValueError(f"Z3GUARD_OPTIONS: unknown option {name!r}; options: {', '.join(known)}")
+        if not sep:
+            raise ValueError(f"Z3GUARD_OPTIONS: {name!r} has no value; write {name}=<value>")
+        values[name] = _parse(name, raw.lower())
+    return GuardOptions(**values)
+
+
+def _parse(name: str, raw: str) -> object:
+    if name == "host_threads":
+        if raw in ("auto", "none", ""):
+            return None
+        if raw in FALSE:
+            return 0
+        if raw.isdigit():
+            return int(raw)
+        raise ValueError(f"Z3GUARD_OPTIONS: host_threads={raw!r}; expected auto, off or a number of threads")
+    if raw in TRUE:
+        return True
+    if raw in FALSE:
+        return False
+    raise ValueError(f"Z3GUARD_OPTIONS: {name}={raw!r}; expected one of {', '.join(TRUE + FALSE)}")

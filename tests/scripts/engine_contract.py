@@ -101,8 +101,12 @@ def main(out: Path) -> None:
     def fail(*args: Any) -> list[str]:
         raise RuntimeError("injected")
 
+    strict = z3guard.GuardOptions(strict=True)
     ad.apply_fast_paths, keep = fail, ad.apply_fast_paths
-    r["guard/failing"] = outcome(lambda: z3guard.guard(victim))
+    lenient = engine(False)
+    r["guard/failing_lenient"] = outcome(lambda: z3guard.guard(lenient))  # warns once, runs as stock
+    r["guard/lenient_still_works"] = outcome(lambda: train_step(lenient))
+    r["guard/failing"] = outcome(lambda: z3guard.guard(victim, strict))
     ad.apply_fast_paths = keep
     r["guard/rolled_back"] = {
         "own_save_load": sorted({"save_checkpoint", "load_checkpoint"} & set(vars(victim))),
@@ -115,7 +119,7 @@ def main(out: Path) -> None:
     r["guard/offload_fast_paths"] = z3guard.guard(engine(False, offload=True)).fast_paths
     late = engine(False, offload=True)
     persistent.apply, keep_apply = fail, persistent.apply  # the last but one to be set
-    r["guard/failing_late"] = outcome(lambda: z3guard.guard(late))
+    r["guard/failing_late"] = outcome(lambda: z3guard.guard(late, strict))
     persistent.apply = keep_apply
     r["guard/late_rolled_back"] = {
         "optimizer_attributes": sorted(n for n in vars(late.optimizer)

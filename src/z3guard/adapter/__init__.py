@@ -1,37 +1,24 @@
-"""The only door to DeepSpeed internals: pick the adapter for the installed release, or refuse."""
+"""The only door to DeepSpeed internals: check the installed DeepSpeed's code, then build its adapter.
+
+Which release is installed decides nothing here: its code does. The self-check (contract.py) must pass
+for the crash fix to be applied; the lifecycle (lifecycle.py) is read from the code; each speed path
+runs only where its stock code matches what it was verified on (speedpaths.py). The tested releases
+(releases.py) are the ones where all of that was run end to end.
+"""
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.metadata
 import sys
 
-from packaging.version import Version
-
 from .base import Adapter
 
-# Each release here passed z3guard's tests (0.19.8 and 0.14.4 in CI on CPU; all three on 2 GPUs); a new
-# release is added here, with the adapter module that fits it, once its tests pass. Others are refused:
-# the adapters replace DeepSpeed internals that a patch release may change.
-SUPPORTED: dict[str, str] = {"0.9.1": "v0_9", "0.14.4": "v0_14", "0.19.8": "v0_19"}
+
+class IncompatibleDeepSpeed(RuntimeError):
+    """The installed DeepSpeed lacks an internal the crash fix needs; nothing was patched."""
 
 
-class UnsupportedDeepSpeed(RuntimeError):
-    """The installed DeepSpeed is not one z3guard has an adapter for; nothing was patched."""
-
-
-def supported_releases() -> str:
-    return ", ".join(SUPPORTED)
-
-
-def adapter_for(release: str) -> str:
-    """The adapter module for `release` (a local build of a tested release, "0.19.8+<commit>", included)."""
-    module = SUPPORTED.get(Version(release).public)
-    if module is None:
-        raise UnsupportedDeepSpeed(
-            f"z3guard does not support DeepSpeed {release}; tested and supported releases: {supported_releases()}. "
-            "Nothing was patched. Install a supported release, or run without z3guard.")
-    return module
+UnsupportedDeepSpeed = IncompatibleDeepSpeed  # the name of earlier releases of z3guard
 
 
 def installed_release() -> str:
@@ -49,7 +36,16 @@ def installed_release() -> str:
 
 @functools.cache
 def load() -> Adapter:
-    import deepspeed
+    """The adapter for the installed DeepSpeed; raises IncompatibleDeepSpeed (patching nothing) when the
+    self-check fails."""
+    from . import contract
 
-    module = importlib.import_module(f"{__name__}.{adapter_for(deepspeed.__version__)}")
-    return module.ADAPTER
+    found = contract.problems()
+    if found:
+        raise IncompatibleDeepSpeed(
+            f"DeepSpeed {installed_release()} does not have the internals z3guard's crash fix relies on: "
+            + "; ".join(found) + ". Nothing was patched.")
+    from .common import ZeroAdapter
+    from .lifecycle import detect
+
+    return ZeroAdapter(detect())

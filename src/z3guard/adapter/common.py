@@ -1,7 +1,7 @@
-"""Code shared by the release adapters: what stayed the same across the supported DeepSpeed releases."""
+"""The adapter: every contact of z3guard with DeepSpeed internals goes through here. What differs between
+releases is read from DeepSpeed's code (lifecycle.py for the crash fix, speedpaths.py for the speed paths)."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import inspect
@@ -13,109 +13,24 @@ from torch import nn
 import deepspeed
 from deepspeed.runtime.zero import parameter_offload as _po
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
-from deepspeed.runtime.zero.partitioned_param_coordinator import (PartitionedParameterCoordinator, ZeRoTraceMode,
-                                                                  iter_params)
-try:
-    from deepspeed.utils import z3_leaf_module
-except ImportError:  # before 0.13 there were no leaf modules
-    def z3_leaf_module(module: nn.Module) -> bool:
-        return False
-
-from . import blockfetch
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
+from . import blockfetch, speedpaths
 from .base import EngineHook, ReadHook, TraceHooks
+from .coordinator import P, z3_leaf_module
+from .lifecycle import Lifecycle
 
 # torch.compiler.is_compiling arrived in torch 2.3; before it, torch._dynamo's
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
-P = "_PartitionedParameterCoordinator__"  # name-mangled private state of the coordinator
 S3 = "_DeepSpeedZeroOptimizer_Stage3__"  # ... and of stage 3's optimizer
 
 
-class GuardedCoordinator(PartitionedParameterCoordinator):
-    """The stock coordinator plus: a parameter-set check before each fetch; on a module-order
-    departure, a switch to another recorded trace that agrees (or recording the rest of this step, so
-    that the new order is known next time); a tracing error turned into an invalidated trace."""
-
-    z3guard_hooks: TraceHooks
-    multi_trace = True  # releases whose trace switching was checked bit for bit
-
-    def reset_step(self) -> None:
-        was_complete = self.is_complete_trace()
-        super().reset_step()
-        if self.is_complete_trace() and not was_complete:
-            self.z3guard_hooks.on_trace_complete(tuple(getattr(self, P + "submodule_order")),
-                                                 tuple(getattr(self, P + "param_order")))
-
-    def trace_prologue(self, sub_module: nn.Module) -> None:
-        if self.is_complete_trace():
-            order = getattr(self, P + "submodule_order")
-            step = getattr(self, P + "step_id")
-            expected = order[step] if step < len(order) else None
-            if expected is not sub_module:
-                ran = tuple(order[:step])
-                trace = self.z3guard_hooks.order_divergence(step, expected, sub_module,
-                                                            ran if self.multi_trace else None)
-                if trace is not None:
-                    self._follow(trace.modules, trace.params, step)
-                    return
-                super().trace_prologue(sub_module)  # invalidates
-                if self.multi_trace:
-                    self._record_from(ran)
-                return
-        super().trace_prologue(sub_module)
-
-    def _stock_fetch(self, module: nn.Module, forward: bool) -> None:
-        PartitionedParameterCoordinator.fetch_sub_module(self, module, forward)
-
-    def _follow(self, modules: tuple, params: tuple, step: int) -> None:
-        """Continue this step on another recorded trace, from position `step` (the running module's)."""
-        setattr(self, P + "submodule_order", modules)
-        setattr(self, P + "param_order", params)
-        queue = collections.deque(e for e in params if e.step_id_last_used_at >= step)
-        setattr(self, P + "param_queue", queue)
-        recent = getattr(self, P + "most_recent_step_id_param_fetched_for")
-        for param in [p for p, s in recent.items() if s >= step]:
-            del recent[param]  # prefetch bookkeeping of the abandoned trace's future
-        needed = {e.param for e in queue}
-        registry = getattr(self, P + "inflight_param_registry")
-        release = getattr(self, P + "release_param")
-        for param in [p for p in registry if p not in needed]:  # prefetched in vain: released at once
-            registry.pop(param).wait()
-            release(param)
-        # DeepSpeed's release decisions stay cached by (module, position) across traces: recomputing
-        # them after every switch walks the rest of the trace per module (seconds per step on GPT-2
-        # medium, measured). A stale entry can only release a parameter early (it is fetched again)
-        # or late (partitioned at the optimizer step), never change a result.
-
-    def _record_from(self, ran: tuple) -> None:
-        """After an invalidation mid-step: record the rest of this step on top of what already ran."""
-        setattr(self, P + "trace_mode", ZeRoTraceMode.RECORD)
-        setattr(self, P + "submodule_order", list(ran))
-        fetched_for = getattr(self, P + "step_id_module_fetched_for")
-        for position, module in enumerate(ran):
-            fetched_for[module.ds_id].append(position)
-
-    def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
-        if self.is_complete_trace() and self.z3guard_hooks.param_divergence(current_submodule) is not None:
-            self._invalidate_trace()  # the fetch below is then on demand, as in a recording step
-        try:
-            self._stock_fetch(current_submodule, forward)
-        except RuntimeError as exc:
-            if "tracing error" not in str(exc) or not self.is_complete_trace():
-                raise
-            # The module's parameters are gathered already (DeepSpeed checks after the wait).
-            self.z3guard_hooks.on_tracing_error(current_submodule, exc)
-            self._invalidate_trace()
-            setattr(self, P + "step_id", getattr(self, P + "step_id") + 1)
-
-
 class ZeroAdapter:
-    """Everything but the coordinator's lifecycle, which differs between releases."""
+    """What z3guard may do to DeepSpeed, for the lifecycle the installed release has."""
 
-    guarded_class: type = GuardedCoordinator
-    fetches_blocks = False  # whole-block fetch (blockfetch.py): on the releases where it was checked
-
-    def __init__(self) -> None:
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
+        self.guarded_class = lifecycle.guarded_class
         self._saved: dict[str, Any] = {}
 
     # -- global patches --------------------------------------------------------------------
@@ -126,7 +41,6 @@ class ZeroAdapter:
         original_getitem = _po.ZeROOrderedDict.__getitem__
         original_initialize = deepspeed.initialize
         original_offload_init = _po.DeepSpeedZeRoOffload.__init__
-        marks_blocks = self.fetches_blocks
 
         def __getitem__(self, key):
             param = dict.__getitem__(self, key)
@@ -144,7 +58,7 @@ class ZeroAdapter:
 
         @functools.wraps(original_offload_init)
         def offload_init(offload, module, *args, **kwargs):  # before ZeRO-3 registers its module hooks
-            if marks_blocks and fetch_blocks():
+            if fetch_blocks() and speedpaths.allowed("block_fetch"):
                 settings = inspect.signature(original_offload_init).bind(offload, module, *args, **kwargs)
                 settings.apply_defaults()
                 blockfetch.before_hooks(module, settings.arguments)
@@ -175,12 +89,27 @@ class ZeroAdapter:
     def is_zero3(self, engine: Any) -> bool:
         return self.offload(engine) is not None
 
+    def process_group(self, engine: Any) -> Any:
+        """The group ZeRO-3 gathers the parameters over (its data-parallel ranks); None: the world."""
+        first = next(iter(engine.module.parameters()), None)
+        return getattr(first, "ds_process_group", None)
+
     def persistent_params(self, engine: Any) -> list[nn.Parameter]:
         return list(self.offload(engine).persistent_parameters)
 
     def gather(self, params: list[nn.Parameter]) -> None:
-        if params:
+        """One coalesced all-gather; on CPU one parameter per all-gather: before 0.19 the coalesced gather
+        waits for the last of its gloo all-gathers only, and where its closing synchronize does nothing
+        the others may still be writing. A single parameter's gather blocks until it is done."""
+        from deepspeed.accelerator import get_accelerator
+
+        if not params:
+            return
+        if get_accelerator().device_name() != "cpu":
             params[0].all_gather(param_list=params)
+            return
+        for param in params:
+            param.all_gather(param_list=[param])
 
     def is_gathered(self, param: nn.Parameter) -> bool:
         return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
@@ -208,7 +137,10 @@ class ZeroAdapter:
         register_external_parameter(module, param)
 
     def inflight_registries(self, engine: Any) -> list[dict]:
-        raise NotImplementedError
+        if not self.lifecycle.registry_on_module:
+            return [getattr(c, P + "inflight_param_registry") for c in self.coordinators(engine)]
+        registry = engine.module.ds_inflight_param_registry
+        return list(registry.values()) if self.lifecycle.coordinator_per_mode else [registry]
 
     def wait_if_inflight(self, engine: Any, param: nn.Parameter) -> None:
         """A read of a parameter that is being prefetched for another module must wait for it: stock
@@ -258,14 +190,32 @@ class ZeroAdapter:
         return bool(getattr(writer, "is_decoupled", lambda: False)())
 
     def apply_fast_paths(self, engine: Any, options: Any) -> list[str]:
-        return []  # only where a release's hot paths were checked bit for bit (see v0_19)
+        """The speed paths whose stock code is the code they were verified on (speedpaths.py), as enabled."""
+        from . import fastpaths
+
+        blocks = blockfetch.marked(engine.module)  # fetched whole since the engine was built
+        applied = [f"block_fetch={blocks}"] if blocks else []
+        if not options.fast_paths or engine.optimizer is None or not hasattr(engine.optimizer, "parameter_offload"):
+            return applied
+        ok = speedpaths.allowed
+        return applied + fastpaths.apply(
+            engine, options.fast_writeback and ok("writeback"), options.fast_overflow_check and ok("overflow_check"),
+            options.host_threads if ok("host_threads") else 0, options.fast_persistent_gather and ok("persistent_gather"),
+            options.fast_fused_step and ok("fused_step"), options.fast_grad_offload and ok("grad_offload"),
+            grads_on_host=ok("grads_cast_on_host"))
 
     def remove_fast_paths(self, engine: Any) -> None:
-        pass
+        from . import fastpaths
+
+        if engine.optimizer is not None and hasattr(engine.optimizer, "parameter_offload"):
+            fastpaths.remove(engine)
 
     # -- the coordinator -------------------------------------------------------------------
     def coordinators(self, engine: Any) -> list[PartitionedParameterCoordinator]:
-        raise NotImplementedError
+        offload = self.offload(engine)
+        if self.lifecycle.coordinator_per_mode:  # created on first use, one per mode
+            return [offload.get_param_coordinator(training=mode) for mode in (True, False)]
+        return [offload.get_param_coordinator()]
 
     def count_invalidations(self, engine: Any) -> Callable[[], int]:
         """Instrument `engine` (guarded or not) to count trace invalidations, for the benchmarks."""
@@ -278,12 +228,15 @@ class ZeroAdapter:
             c._invalidate_trace = counting
         return lambda: count[0]
 
-    def guard_coordinator(self, engine: Any, hooks: TraceHooks) -> None:
+    def guard_coordinator(self, engine: Any, hooks: TraceHooks, multi_trace: bool = True) -> None:
+        switch = multi_trace and speedpaths.allowed("multi_trace")
         for c in self.coordinators(engine):
             c.z3guard_hooks = hooks
+            c.multi_trace = switch
             c.__class__ = self.guarded_class
 
     def unguard_coordinator(self, engine: Any) -> None:
         for c in self.coordinators(engine):
             if isinstance(c, self.guarded_class):
                 c.__class__ = PartitionedParameterCoordinator
+                vars(c).pop("multi_trace", None)

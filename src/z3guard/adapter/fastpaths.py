@@ -54,7 +54,8 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
-          persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False) -> list[str]:
+          persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False,
+          grads_on_host: bool = True) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names. None where
     something else already replaced one of the methods they replace on this instance (ZenFlow's
     overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
@@ -65,7 +66,8 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
                  "(ZenFlow's overlapped step does that); DeepSpeed's own code runs", ", ".join(replaced))
         return []
     try:
-        return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload)
+        return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload,
+                      grads_on_host)
     except BaseException:  # none or all: what was set before the failure goes again
         opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]
         remove(engine)
@@ -73,7 +75,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None, persistent_gather: bool,
-           fused_step: bool, grad_offload: bool) -> list[str]:
+           fused_step: bool, grad_offload: bool, grads_on_host: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
@@ -85,7 +87,7 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
     if grad_offload and plain and gradoffload.applicable(opt):  # before the overflow check wraps it
         gradoffload.apply(opt)
         applied.append("grad_offload")
-        if "fused_step" in applied and hostgrads.applicable(opt):  # which reads the fp32 gradients' source
+        if grads_on_host and "fused_step" in applied and hostgrads.applicable(opt):  # which reads the fp32 gradients' source
             hostgrads.apply(opt)
             applied.append("grads_cast_on_host")
     if overflow_check and hasattr(opt, "grad_partitions_flat_buffer"):

@@ -83,6 +83,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("mlp", lambda: PlainMLP(), _image_batch, hidden=64),
         Scenario("twice", lambda: TinyLM(repeat_first=True), _token_batch, hidden=64, config=LM_SCALE,
                  reads=(("head", "embed.weight"),)),
+        # The head reads a persistent bias of another module when the batch says so: on one rank only on
+        # some steps, since each rank has its own batches.
+        Scenario("rank-read", lambda: TinyLM(data_read=True), _token_batch, hidden=64, config=LM_SCALE,
+                 reads=(("head", "embed.weight"), ("head", "blocks.0.norm.bias"))),
         Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64,
                  config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
                  reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),

@@ -207,6 +207,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["crash"] = asdict(Crash.parse(step, exc, paths))
     # Reads the scenario model saw handed an unfilled, still-gathering parameter (a race on its contents).
     result["inflight_reads"] = sum(getattr(m, "inflight_reads", 0) for m in engine.module.modules())
+    result["data_read_steps"] = sorted({s for m in engine.module.modules() for s in getattr(m, "data_read_steps", ())})
     result["optimizer_sub_groups"] = len(getattr(engine.optimizer, "fp16_groups", []))  # stage 3's sub-groups
     if job.guard:
         import z3guard

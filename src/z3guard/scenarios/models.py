@@ -95,8 +95,12 @@ class LMHead(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.side_read_every = side_read_every
         self.inflight_reads = 0  # side reads handed a parameter whose all-gather was still in flight
+        self.data_read_steps: list[int] = []  # steps whose batch made this rank read blocks[0].norm.bias
 
-    def forward(self, x: torch.Tensor, lm: "TinyLM", step: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lm: "TinyLM", step: int, data_read: bool = False) -> torch.Tensor:
+        if data_read:  # a small persistent parameter of another module, read when the batch says so
+            self.data_read_steps.append(step)
+            x = x + lm.blocks[0].norm.bias
         if self.side_read_every and step % self.side_read_every == 0:
             weight = lm.blocks[0].fc1.weight
             self.inflight_reads += getattr(getattr(weight, "ds_status", None), "name", "") == "INFLIGHT"
@@ -130,13 +134,14 @@ class TinyLM(nn.Module):
     """
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
-                 side_read_every: int = 0, repeat_first: bool = False, experts: int = 0):
+                 side_read_every: int = 0, repeat_first: bool = False, experts: int = 0, data_read: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Routed(width, experts, i) if experts else Block(width) for i in range(depth))
         self.head = LMHead(width, side_read_every)
         self.skip_odd = skip_odd
         self.repeat_first = repeat_first  # the first block runs twice per step (weight sharing)
+        self.data_read = data_read  # the head reads blocks[0].norm.bias when the batch's first token is even
 
     def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
         x = self.embed(tokens)
@@ -146,7 +151,7 @@ class TinyLM(nn.Module):
             if self.skip_odd and i == len(self.blocks) // 2 and step % 2 == 1:
                 continue
             x = block(x, step) if isinstance(block, Routed) else block(x)
-        return self.head(x, self, step)
+        return self.head(x, self, step, self.data_read and int(tokens[0, 0]) % 2 == 0)
 
 
 class PlainMLP(nn.Module):

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..diagnose import CrossModuleRead, Diagnostics, Divergence, Names
+from .agreement import RankAgreement
 from .cache import Trace, TraceCache
 from .registration import GUARDS
 
@@ -27,6 +28,13 @@ class TraceGuard:
         self.read_steps: dict[tuple[int, int], list[int]] = {}
         self.forward_steps = 0  # steps that ran a forward (a count: a set would grow with the run)
         self._last_forward_step = -1
+        # reads noted since the last step boundary, registered on every rank there (agreement.py)
+        self.pending: dict[tuple[int, int], tuple[nn.Module, nn.Parameter, str | None]] = {}
+        self.agreement = RankAgreement(adapter.process_group(engine))
+        self._modules = list(engine.module.modules())  # the same order on every rank: the same model
+        self._params = list(engine.module.parameters())
+        self._module_index = {id(m): i for i, m in enumerate(self._modules)}
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
@@ -53,6 +61,22 @@ class TraceGuard:
             self.restored += len(missing)
 
     # -- TraceHooks ------------------------------------------------------------------------
+    def before_reset(self) -> None:
+        """Register, on every rank, every read any rank noted since the last boundary."""
+        local = [(self._module_index[id(m)], self._param_index[id(p)]) for m, p, _ in self.pending.values()
+                 if id(m) in self._module_index and id(p) in self._param_index]
+        sources = {(self._module_index[id(m)], self._param_index[id(p)]): s for m, p, s in self.pending.values()
+                   if id(m) in self._module_index and id(p) in self._param_index}
+        self.pending.clear()
+        for mi, pi in self.agreement.union(local):
+            module, param = self._modules[mi], self._params[pi]
+            if not self.adapter.owns(module, param):  # stock registers a read it found partitioned itself
+                self.adapter.register_external(module, param)
+            self.note_read(module, param, sources.get((mi, pi)))
+
+    def defer_read(self, running: nn.Module, param: nn.Parameter, source: str | None) -> None:
+        self.pending.setdefault((id(running), id(param)), (running, param, source))
+
     def on_trace_complete(self, modules: tuple[nn.Module, ...], params: tuple) -> None:
         self.recorded.update({id(m): self.adapter.module_params(m) for m in modules})
         self.cache.add(Trace(modules, params))

@@ -3,8 +3,9 @@
 Stock ZeRO-3 registers a parameter that a module's forward reads from another module only if the
 parameter happens to be partitioned at that moment, so the recorded trace depends on what was
 gathered when it was recorded (after a resume, persistent biases are gathered and never make it in).
-Here the read is registered the first time it happens, whatever the parameter's state: the trace
-then depends on the code path alone.
+Here the read is registered whatever the parameter's state, so that the trace depends on the code path
+alone; and on every rank at once, at the next step boundary (agreement.py): a read that happens on one
+rank only must not change that rank's gathers alone.
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ def on_read(running: nn.Module, param: nn.Parameter) -> None:
     guard.adapter.wait_if_inflight(guard.engine, param)
     if guard.adapter.owns(running, param):
         return
-    guard.adapter.register_external(running, param)
-    guard.note_read(running, param, _user_frame())
+    guard.defer_read(running, param, _user_frame())
 
 
 def _user_frame() -> str | None:

@@ -1,0 +1,62 @@
+"""The start-up hook behind `Z3GUARD=1`, for training jobs whose code you do not own.
+
+`pip install z3guard` puts `z3guard.pth` in site-packages; Python runs its one line at every start. That
+line imports this module only when `Z3GUARD` is set (and not 0), and this module imports nothing but the
+standard library: it waits, as an import hook, for the process to import `deepspeed`, and installs z3guard
+right after. Launchers, data-loader and tokenizer workers, anything that never imports DeepSpeed pays for
+one small module and sees nothing else. Options come from `Z3GUARD_OPTIONS` (see z3guard.options).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+ENABLED = os.environ.get("Z3GUARD", "").strip().lower() not in ("", "0", "off", "false", "no")
+
+
+class _AfterDeepSpeed(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `deepspeed` is about to load, wraps its loader so that z3guard installs
+    once DeepSpeed has finished loading, then steps out of the import system."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install() -> None:
+    """Never breaks the job: a bad option or an unexpected DeepSpeed is one warning, unless strict."""
+    import logging
+
+    options_text = os.environ.get("Z3GUARD_OPTIONS", "")
+    try:
+        import z3guard
+        from z3guard.options import from_environment
+
+        options = from_environment(options_text)
+    except Exception as exc:
+        if "strict=1" in options_text.replace(" ", "") or "strict=on" in options_text.replace(" ", ""):
+            raise
+        logging.getLogger("z3guard").warning("z3guard: not guarding this job (Z3GUARD=1): %s", exc)
+        return
+    z3guard.install(options)
+
+
+if ENABLED and not any(isinstance(f, _AfterDeepSpeed) for f in sys.meta_path):
+    if "deepspeed" in sys.modules:
+        _install()
+    else:
+        sys.meta_path.insert(0, _AfterDeepSpeed())

@@ -1,0 +1,76 @@
+"""Run the release-sensitive tests on every CPU-tested DeepSpeed release, one after another in one
+environment, swapping DeepSpeed between runs (a pure-Python install: seconds once pip has built it).
+
+    python tests/releases.py [RELEASE ...]    # default: every CPU-tested release but the main one
+
+The main release (requirements-cpu.txt) runs the whole suite in its own environment; here each other
+release runs the self-check and lifecycle tests, the report's crash scenarios (stock crashes, z3guard
+completes bit-identically), the save/load contract and z3guard's gathers. Each release's compiled CPU
+Adam is kept in ~/.cache/z3guard, so that only a machine's first run pays for compiling it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from z3guard.adapter.releases import TESTED  # noqa: E402
+
+TESTS = ["tests/test_adapter.py", "tests/test_matrix.py", "tests/test_contract.py", "tests/test_gather.py"]
+MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
+            if line.startswith("deepspeed=="))
+DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6"}  # what a release does not ask otherwise
+PIP = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation"]
+
+
+def cpu_releases() -> list[str]:
+    return [r.version for r in TESTED if "CPU" in r.tested_on and r.version != MAIN]
+
+
+def run(release: str) -> tuple[bool, str]:
+    entry = next(r for r in TESTED if r.version == release)
+    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu", Z3GUARD_RELEASE_MATRIX="1",
+               TORCH_EXTENSIONS_DIR=str(Path.home() / ".cache" / "z3guard" / "torch_extensions"
+                                        / f"py{sys.version_info[0]}{sys.version_info[1]}-ds{release}"))
+    if entry.cpu_shim:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "shims"), env.get("PYTHONPATH")]))
+    pinned = {name: spec for name, spec in DEFAULTS.items() if not any(n.startswith(name) for n in entry.needs)}
+    needs = [*entry.needs, *pinned.values()]
+    for packages in (needs, [f"deepspeed=={release}", *needs]):  # its setup imports it: needs go first
+        installed = subprocess.run([*PIP, *packages, "torch==2.13.0"], env=env, capture_output=True, text=True)
+        if installed.returncode != 0:
+            return False, f"install failed: {installed.stderr[-2000:]}"
+    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
+                            env=env, capture_output=True, text=True)
+    log = ROOT / "runs" / "releases" / f"{release}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(tested.stdout + tested.stderr)
+    summary = (tested.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if tested.returncode != 0:
+        failed = [line for line in tested.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        return False, "\n".join(failed) + f"\n{tested.stdout[-4000:]}\n(whole output: {log})"
+    return True, summary
+
+
+def main(argv: list[str]) -> int:
+    releases = argv or cpu_releases()
+    passed, failed = [], []
+    for release in releases:
+        start = time.monotonic()
+        ok, detail = run(release)
+        print(f"DeepSpeed {release}: {'ok' if ok else 'FAILED'} in {time.monotonic() - start:.0f} s: "
+              f"{detail if ok else ''}", flush=True)
+        if not ok:
+            print(detail, flush=True)
+        (passed if ok else failed).append(release)
+    print(f"releases: {len(passed)} passed, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

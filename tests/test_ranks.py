@@ -1,0 +1,47 @@
+"""Ranks decide together: a cross-module read that happens on one rank only must not change that rank's
+gathers alone (real ZeRO-3, 2 gloo ranks, each rank its own batches)."""
+from __future__ import annotations
+
+import pytest
+
+from z3guard.scenarios import compare
+from z3guard.scenarios.job import Job
+from z3guard.scenarios.launch import LaunchError, run_jobs
+
+from .conftest import launch
+
+STEPS = 12
+COMMON = dict(scenario="rank-read", steps=STEPS, skip_at=[3, 8], events={"6": ["gathered"]})
+
+
+@pytest.fixture(scope="module")
+def runs_of_rank_reads(runs):
+    done = launch([Job("registered", preregister=True, **COMMON), Job("guarded", guard=True, **COMMON)],
+                  runs / "rank-reads")
+    try:  # stock may hang (a gather on the reading rank alone): recorded under a timeout, never waited on
+        stock = run_jobs([Job("stock", **COMMON)], runs / "rank-reads-stock", timeout=150)
+        stock_outcome = "completed" if stock.returncode == 0 and stock.result("stock")["crash"] is None else "crashed"
+    except LaunchError:
+        stock_outcome = "hung"
+    return done, stock_outcome
+
+
+def test_the_read_happens_on_one_rank_only_on_some_steps(runs_of_rank_reads):
+    done, _ = runs_of_rank_reads
+    rank0, rank1 = (set(done.result("guarded", r)["data_read_steps"]) for r in (0, 1))
+    assert rank0 - rank1 and rank1 - rank0, (rank0, rank1)  # each rank reads on steps the other does not
+
+
+def test_z3guard_completes_as_with_register_external_parameter_and_the_ranks_agree(runs_of_rank_reads):
+    """Bit for bit: losses, gathered weights and both ranks' optimizer partitions, against stock with the
+    documented workaround. Before the ranks agreed, the reading rank alone re-recorded its trace and both
+    ranks hung in mismatched collectives."""
+    done, stock_outcome = runs_of_rank_reads
+    guarded = done.result("guarded")
+    assert guarded["crash"] is None and guarded["skipped"] == [3, 8]
+    assert done.result("guarded", 1)["crash"] is None
+    diff = compare.first_job_difference(done, "registered", "guarded")
+    assert diff is None, f"{diff} (stock without the workaround: {stock_outcome})"
+    # the read, registered on both ranks at the step boundary after rank 0 first made it
+    assert [d for d in guarded["divergences"] if d["kind"] == "tracing-error"] == []
+    assert any(r["param"] == "blocks.0.norm.bias" for r in guarded["reads"])

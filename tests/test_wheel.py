@@ -1,0 +1,112 @@
+"""z3guard installed as a regular wheel into a fresh environment (`make test-wheel` builds both and sets
+Z3GUARD_WHEEL_PYTHON): the start-up hook is in site-packages, costs a process that never imports DeepSpeed
+nothing, and `Z3GUARD=1` alone guards a Trainer job that never calls z3guard."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import z3guard
+
+PYTHON = os.environ.get("Z3GUARD_WHEEL_PYTHON")
+pytestmark = pytest.mark.skipif(not PYTHON, reason="needs the wheel environment: make test-wheel")
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("Z3GUARD") and k != "PYTHONPATH"}
+    return {**env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _python(code: str, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-c", code], env=_env(**extra), capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_start_up_hook_is_in_site_packages_not_an_editable_path():
+    done = _python("import site, z3guard, z3guard_startup; print(site.getsitepackages()[0]); "
+                   "print(z3guard.__file__); print(z3guard_startup.__file__)")
+    assert done.returncode == 0, done.stderr
+    site_packages, package, hook = done.stdout.split()
+    assert (Path(site_packages) / "z3guard.pth").is_file()
+    assert Path(package).is_relative_to(site_packages) and Path(hook).is_relative_to(site_packages)
+    assert (Path(site_packages) / "z3guard" / "py.typed").is_file()
+
+
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_a_process_that_never_imports_deepspeed_imports_nothing_of_z3guard_torch_or_deepspeed(switch):
+    extra = {"Z3GUARD": switch} if switch else {}
+    done = subprocess.run([PYTHON, "-X", "importtime", "-c", "pass"], env=_env(**extra), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    heavy = {m for m in imported if m.split(".")[0] in ("z3guard", "torch", "deepspeed", "numpy")}
+    assert heavy == set(), heavy
+    assert ("z3guard_startup" in imported) == bool(switch)  # the hook itself: standard library only
+
+
+def test_z3guard_1_installs_when_deepspeed_is_imported_with_the_options_of_the_environment():
+    code = "import deepspeed, z3guard; print(z3guard._state['installed'], z3guard._state['options'].fast_paths)"
+    assert _python(code).stdout.split()[-2:] == ["False", "True"]
+    assert _python(code, Z3GUARD="1").stdout.split()[-2:] == ["True", "True"]
+    assert _python(code, Z3GUARD="1", Z3GUARD_OPTIONS="fast_paths=off").stdout.split()[-2:] == ["True", "False"]
+    assert _python(code, Z3GUARD="0").stdout.split()[-2:] == ["False", "True"]
+
+
+def test_a_bad_option_in_the_environment_warns_and_leaves_the_job_alone_unless_strict():
+    code = "import deepspeed, z3guard; print('installed', z3guard._state['installed'])"
+    done = _python(code, Z3GUARD="1", Z3GUARD_OPTIONS="fast_path=off")
+    assert done.returncode == 0 and "installed False" in done.stdout
+    assert "unknown option 'fast_path'" in done.stderr and "fast_paths" in done.stderr  # names what is allowed
+    strict = _python(code, Z3GUARD="1", Z3GUARD_OPTIONS="strict=on,host_threads=many")
+    assert strict.returncode != 0 and "host_threads='many'" in strict.stderr
+
+
+def _trainer(out: Path, phase: str, launcher: str = "torchrun", **extra: str) -> dict:
+    script = [str(SCRIPTS / "hf_trainer_resume.py"), str(out), "--phase", phase]
+    if launcher == "torchrun":
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script]
+    else:  # DeepSpeed's own launcher, as `deepspeed --num_gpus 2 script.py` starts it
+        cmd = [PYTHON, "-m", "deepspeed.launcher.runner", "--num_gpus=2", "--no_local_rank",
+               f"--master_port={_free_port()}", *script]
+    log_path = out.parent / f"{out.name}-{phase}.log"
+    with log_path.open("w") as log:
+        done = subprocess.run(cmd, env=_env(LOCAL_SIZE="2", **extra), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=420, start_new_session=True)
+    assert done.returncode == 0, log_path.read_text()[-5000:]
+    return json.loads((out / f"{phase}.json").read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict:
+    return _trainer(tmp_path_factory.mktemp("trainer") / "straight", "straight")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_z3guard_1_alone_guards_a_trainer_resume_that_never_calls_z3guard(tmp_path, straight, launcher):
+    """Stock (no variable) crashes after resume + skipped step; with Z3GUARD=1 the resumed losses are the
+    uninterrupted run's, and rank 0 logged the banner once."""
+    for phase in ("first", "resume"):
+        guarded = _trainer(tmp_path / "guarded", phase, launcher, Z3GUARD="1")
+        if launcher == "torchrun":  # stock's crash does not depend on the launcher (tests/test_repro.py)
+            stock = _trainer(tmp_path / "stock", phase, launcher)
+    if launcher == "torchrun":
+        assert stock["crash"] and "expected the next 4 parameters" in stock["crash"]
+        assert "guards this ZeRO-3 engine" not in (tmp_path / "stock-resume.log").read_text()
+    assert guarded["crash"] is None
+    resumed = [s for s in guarded["losses"] if int(s) > 4]
+    assert resumed == ["5", "6", "7", "8"]
+    assert {s: guarded["losses"][s] for s in resumed} == {s: straight["losses"][s] for s in resumed}
+    banner = f"z3guard {z3guard.__version__} guards this ZeRO-3 engine (DeepSpeed "
+    assert (tmp_path / "guarded-resume.log").read_text().count(banner) == 1  # rank 0, once
