@@ -17,19 +17,31 @@ ENABLED = os.environ.get("Z3GUARD", "").strip().lower() not in ("", "0", "off", 
 
 
 class _AfterDeepSpeed(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when `deepspeed` is about to load, wraps its loader so that z3guard installs
-    once DeepSpeed has finished loading, then steps out of the import system."""
+    """Finds nothing itself: asks the finders after it for `deepspeed` and wraps the loader they return,
+    so that z3guard installs once DeepSpeed has finished loading. Availability checks
+    (`importlib.util.find_spec("deepspeed")`, as transformers makes) load nothing and change nothing:
+    the hook steps out of the import system only when DeepSpeed is really imported."""
+
+    def __init__(self) -> None:
+        self._asking = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
+        if name != "deepspeed" or self._asking:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        self._asking = True
+        try:
+            spec = next(filter(None, (getattr(f, "find_spec", lambda *a: None)(name, path, target)
+                                      for f in list(sys.meta_path) if f is not self)), None)
+        finally:
+            self._asking = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         load = spec.loader.exec_module
+        hook = self
 
         def exec_module(module):
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
             load(module)
             _install()
 

@@ -293,3 +293,32 @@ def test_no_fast_path_where_something_else_replaced_a_method_on_the_optimizer():
                            fused_step=True, grad_offload=True) == []
     fastpaths.remove(engine)
     assert vars(opt)["partition_grads"] is own_partition_grads
+
+
+def _cgroup(tmp_path, membership: str, files: dict[str, str]):
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "self-cgroup").write_text(membership)
+    return tmp_path, tmp_path / "self-cgroup"
+
+
+@pytest.mark.parametrize("membership, files, quota", [
+    ("0::/pod/ctr\n", {"pod/ctr/cpu.max": "max 100000\n", "pod/cpu.max": "300000 100000\n"}, 3),  # a parent's
+    ("0::/\n", {"cpu.max": "250000 100000\n"}, 2),  # inside the container its cgroup is the root; rounded down
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # no quota
+    ("0::/\n", {"cpu.max": "20000 100000\n"}, 1),  # a fifth of a CPU: one thread, not none
+    ("5:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n",
+     {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "400000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 4),
+    ("5:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, None),
+])
+def test_host_threads_honour_the_containers_cpu_quota(tmp_path, monkeypatch, membership, files, quota):
+    """A pod limited to a few CPUs on a big host sees every core in its affinity mask."""
+    import os
+
+    from z3guard.adapter.hostthreads import usable_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))  # the host's 64 cores
+    root, self_cgroup = _cgroup(tmp_path, membership, files)
+    assert usable_cpus(root, self_cgroup) == (64 if quota is None else quota)
+    assert usable_cpus(root, tmp_path / "missing") == 64  # no cgroup information: the affinity mask

@@ -54,6 +54,9 @@ def test_z3guard_1_installs_when_deepspeed_is_imported_with_the_options_of_the_e
     assert _python(code, Z3GUARD="1").stdout.split()[-2:] == ["True", "True"]
     assert _python(code, Z3GUARD="1", Z3GUARD_OPTIONS="fast_paths=off").stdout.split()[-2:] == ["True", "False"]
     assert _python(code, Z3GUARD="0").stdout.split()[-2:] == ["False", "True"]
+    # transformers asks `importlib.util.find_spec("deepspeed")` long before it imports DeepSpeed
+    checked_first = "import importlib.util; importlib.util.find_spec('deepspeed'); " + code
+    assert _python(checked_first, Z3GUARD="1").stdout.split()[-2:] == ["True", "True"]
 
 
 def test_a_bad_option_in_the_environment_warns_and_leaves_the_job_alone_unless_strict():
