@@ -24,7 +24,7 @@ from z3guard.adapter.releases import TESTED  # noqa: E402
 TESTS = ["tests/test_adapter.py", "tests/test_matrix.py", "tests/test_contract.py", "tests/test_gather.py"]
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
-DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6"}  # what a release does not ask otherwise
+DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise
 PIP = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation"]
 
 

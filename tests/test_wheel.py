@@ -72,6 +72,9 @@ def _trainer(out: Path, phase: str, launcher: str = "torchrun", **extra: str) ->
     script = [str(SCRIPTS / "hf_trainer_resume.py"), str(out), "--phase", phase]
     if launcher == "torchrun":
         cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script]
+    elif launcher == "accelerate":  # `accelerate launch --config_file` with a DeepSpeed ZeRO-3 config file
+        cmd = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(_accelerate_config(out.parent)),
+               *script, "--config-from-launcher"]
     else:  # DeepSpeed's own launcher, as `deepspeed --num_gpus 2 script.py` starts it
         cmd = [PYTHON, "-m", "deepspeed.launcher.runner", "--num_gpus=2", "--no_local_rank",
                f"--master_port={_free_port()}", *script]
@@ -81,6 +84,24 @@ def _trainer(out: Path, phase: str, launcher: str = "torchrun", **extra: str) ->
                               timeout=420, start_new_session=True)
     assert done.returncode == 0, log_path.read_text()[-5000:]
     return json.loads((out / f"{phase}.json").read_text())
+
+
+def _accelerate_config(folder: Path) -> Path:
+    """accelerate's config for 2 CPU processes with DeepSpeed, naming a ZeRO-3 config file (HF's example:
+    CPU offload, "auto" sizes for Trainer to fill)."""
+    from z3guard.scenarios.config import resolve_auto
+
+    ds = resolve_auto(hidden_size=512, dtype="bf16", micro_batch=4, world_size=2)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        ds[key] = "auto"
+    ds["fp16"]["enabled"] = ds["bf16"]["enabled"] = "auto"
+    (folder / "ds_zero3.json").write_text(json.dumps(ds))
+    config = folder / "accelerate.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      f"  deepspeed_config_file: {folder / 'ds_zero3.json'}\n  zero3_init_flag: false\n"
+                      "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: true\n")
+    return config
 
 
 def _free_port() -> int:
@@ -96,7 +117,7 @@ def straight(tmp_path_factory) -> dict:
     return _trainer(tmp_path_factory.mktemp("trainer") / "straight", "straight")
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "accelerate"])
 def test_z3guard_1_alone_guards_a_trainer_resume_that_never_calls_z3guard(tmp_path, straight, launcher):
     """Stock (no variable) crashes after resume + skipped step; with Z3GUARD=1 the resumed losses are the
     uninterrupted run's, and rank 0 logged the banner once."""

@@ -46,10 +46,11 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
         it is complete, never): a later read of one from another module then finds it partitioned and
         gathers it on the reading rank alone, which on a read that depends on the rank's data is a
         collective the other ranks never join. Kept gathered here, as in every complete-trace step."""
-        if self.is_complete_trace():
+        leaf = z3_leaf_module(submodule)
+        if self.is_complete_trace() or (leaf and getattr(self, "fast_sharding_for_leaf_module", False)):
+            # (with a granularity threshold stock empties a released leaf's data itself: left to stock)
             return super().release_sub_module(submodule, *args, **kwargs)
-        kept = [p for p in iter_params(submodule, recurse=z3_leaf_module(submodule))
-                if getattr(p, "ds_persist", False)]
+        kept = [p for p in iter_params(submodule, recurse=leaf) if getattr(p, "ds_persist", False)]
         for param in kept:
             param.ds_active_sub_modules.add(KEEP)
         try:
