@@ -20,11 +20,11 @@ def test_gathers_of_many_parameters_are_whole(tmp_path):
     assert all(r["z3guard"] == 0 for r in ranks), ranks
     stock_wrong = sum(r["stock"] for r in ranks)
     release = Version(deepspeed.__version__)
-    if Version("0.11") <= release < Version("0.15"):
+    if Version("0.14") <= release < Version("0.15"):
         # waits for the last of its gloo all-gathers only: ~5-10% of these gathers came back partly
         # written (CPU, 2 ranks), so 120 of them without one would be a different release
         assert stock_wrong > 0, ranks
     elif release >= Version("0.19.8"):
         assert stock_wrong == 0, ranks  # waits for each
-    # elsewhere the race is rarer (0.15.4: 1-3 of 60 per rank seen; 0.10.3: none in 120): only z3guard's
-    # side is asserted
+    # elsewhere the race comes and goes (0.13.5: 0 of 120 in one run, some in another; 0.15.4: 1-3 of 60 per
+    # rank): only z3guard's side is asserted
