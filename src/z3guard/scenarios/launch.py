@@ -50,8 +50,9 @@ def rank_env(device: str) -> dict[str, str]:
 
     env = dict(os.environ)
     release = installed_release()
-    if Version(release) < Version("0.15"):
-        env.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # its checkpoints predate torch 2.6's default
+    if Version(release) < Version("0.16"):
+        # its checkpoint engine's torch.load predates torch 2.6's weights_only default (0.16 passes False)
+        env.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores; on GPUs torchrun's own default
         env["DS_ACCELERATOR"] = "cpu"
