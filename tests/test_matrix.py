@@ -23,7 +23,13 @@ def test_stock_behaviour(matrix, case):
     ref = first.result(f"{case.id}-reference")
     assert ref["crash"] is None, "the uninterrupted reference must not crash"
     stock = second.result(f"{case.id}-stock")
-    if case.stock_crash_step is None:
+    crash_step = case.stock_crash_step
+    if crash_step is not None and case.skip_at and not ref["skipped"]:
+        # some releases (0.16) apply a bf16 step with non-finite gradients instead of skipping it: without a
+        # skipped step there is nothing for stock to trip on
+        assert case.job.get("dtype") == "bf16", "only bf16 steps are applied despite non-finite gradients"
+        crash_step = None
+    if crash_step is None:
         assert stock["crash"] is None
         if case.stock_reads_inflight:
             assert stock["inflight_reads"] > 0, "stock was expected to hand out an in-flight parameter"
@@ -34,7 +40,7 @@ def test_stock_behaviour(matrix, case):
         return
     crash = stock["crash"]
     assert crash is not None, "stock DeepSpeed was expected to crash"
-    assert crash["step"] == case.stock_crash_step
+    assert crash["step"] == crash_step
     assert crash["message"].startswith("tracing error")
     assert case.stock_message in crash["message"]
     assert crash["module"] == case.stock_module
