@@ -45,7 +45,8 @@ def run(release: str) -> tuple[bool, str]:
         installed = subprocess.run([*PIP, *packages, "torch==2.13.0"], env=env, capture_output=True, text=True)
         if installed.returncode != 0:
             return False, f"install failed: {installed.stderr[-2000:]}"
-    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=8"]
+    tested = subprocess.run([*pytest, *TESTS], cwd=ROOT,
                             env=env, capture_output=True, text=True)
     log = ROOT / "runs" / "releases" / f"{release}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
