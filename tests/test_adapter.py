@@ -207,6 +207,10 @@ def test_z3guard_env_names_every_field_as_json():
     import subprocess
     import sys
 
+    from pydantic import VERSION
+
+    if VERSION.startswith("1."):  # DeepSpeed 0.10 pins pydantic 1; typer, the CLI's parser, needs 2
+        pytest.skip("the z3guard command needs pydantic 2 (through typer); the library does not")
     done = subprocess.run([sys.executable, "-m", "z3guard.cli", "env", "--json"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
