@@ -29,7 +29,7 @@ class Release:
 
 TESTED: tuple[Release, ...] = (
     Release("0.9.1", "GPU", "2.11", "the report's release; 0.9 has no CPU accelerator"),
-    Release("0.10.3", "CPU", "2.13", needs=("pydantic<2", "numpy<2"), cpu_shim=True),
+    Release("0.10.3", "CPU", "2.13", needs=("pydantic<2", "numpy<2", "typer<0.13"), cpu_shim=True),
     Release("0.11.2", "CPU", "2.13", needs=("numpy<2",), cpu_shim=True),
     Release("0.12.6", "CPU", "2.13", needs=("numpy<2",), cpu_shim=True),
     Release("0.13.5", "CPU", "2.13", needs=("numpy<2",), cpu_shim=True),
