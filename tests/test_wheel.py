@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import z3guard
+from z3guard.scenarios.launch import _free_port
 
 PYTHON = os.environ.get("Z3GUARD_WHEEL_PYTHON")
 pytestmark = pytest.mark.skipif(not PYTHON, reason="needs the wheel environment: make test-wheel")
@@ -102,14 +103,6 @@ def _accelerate_config(folder: Path) -> Path:
                       f"  deepspeed_config_file: {folder / 'ds_zero3.json'}\n  zero3_init_flag: false\n"
                       "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: true\n")
     return config
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
