@@ -37,6 +37,9 @@ def test_z3guard_completes_as_with_register_external_parameter_and_the_ranks_agr
     documented workaround. Before the ranks agreed, the reading rank alone re-recorded its trace and both
     ranks hung in mismatched collectives."""
     done, stock_outcome = runs_of_rank_reads
+    # stock: the reading rank gathers the parameter alone at step 1 (gloo aborts on the size mismatch;
+    # NCCL would hang)
+    assert stock_outcome in ("crashed", "hung")
     guarded = done.result("guarded")
     assert guarded["crash"] is None and guarded["skipped"] == [3, 8]
     assert done.result("guarded", 1)["crash"] is None
