@@ -37,7 +37,10 @@ class EngineGuard:
                 step()
             raise
         if rank0:
-            log.warning(self.banner())
+            try:  # the engine is guarded by now: a line that cannot be made must not undo or break that
+                log.warning(self.banner())
+            except Exception as exc:
+                log.warning("z3guard guards this ZeRO-3 engine (its summary line failed: %s)", exc)
 
     def banner(self) -> str:
         """The one line rank 0 logs when the engine is guarded: what z3guard does to it, how to stop it."""
