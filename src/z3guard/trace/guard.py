@@ -63,12 +63,10 @@ class TraceGuard:
     # -- TraceHooks ------------------------------------------------------------------------
     def before_reset(self) -> None:
         """Register, on every rank, every read any rank noted since the last boundary."""
-        local = [(self._module_index[id(m)], self._param_index[id(p)]) for m, p, _ in self.pending.values()
-                 if id(m) in self._module_index and id(p) in self._param_index]
         sources = {(self._module_index[id(m)], self._param_index[id(p)]): s for m, p, s in self.pending.values()
                    if id(m) in self._module_index and id(p) in self._param_index}
         self.pending.clear()
-        for mi, pi in self.agreement.union(local):
+        for mi, pi in self.agreement.union(list(sources)):
             module, param = self._modules[mi], self._params[pi]
             if not self.adapter.owns(module, param):  # stock registers a read it found partitioned itself
                 self.adapter.register_external(module, param)
