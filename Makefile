@@ -45,7 +45,7 @@ test-wheel: $(STAMP)
 	$(PY) -m build --no-isolation --outdir dist . > /dev/null
 	$(PYTHON) -m venv $(WHEEL)
 	$(WHEEL)/bin/python $(PIP) torch==2.13.0 setuptools wheel
-	$(WHEEL)/bin/python $(PIP) --no-build-isolation -r requirements-cpu.txt
+	$(WHEEL)/bin/python $(PIP) --no-build-isolation -r requirements-cpu.txt -r requirements-trainers.txt
 	$(WHEEL)/bin/python $(PIP) --no-deps dist/z3guard-*.whl
 	Z3GUARD_WHEEL_PYTHON=$(abspath $(WHEEL))/bin/python $(PY) -m pytest -q tests/test_wheel.py
 

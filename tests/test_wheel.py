@@ -127,3 +127,48 @@ def test_z3guard_1_alone_guards_a_trainer_resume_that_never_calls_z3guard(tmp_pa
     assert {s: guarded["losses"][s] for s in resumed} == {s: straight["losses"][s] for s in resumed}
     banner = f"z3guard {z3guard.__version__} guards this ZeRO-3 engine (DeepSpeed "
     assert (tmp_path / "guarded-resume.log").read_text().count(banner) == 1  # rank 0, once
+
+
+def _trl_sft(folder: Path, out: str, *extra: str, **env: str) -> dict[int, float]:
+    """TRL's own CLI (`trl sft`, which starts itself through `accelerate launch`) on the tiny Llama, offline:
+    8 steps, a checkpoint every 4. Returns the losses of the checkpoint at step 8."""
+    cmd = [str(Path(PYTHON).parent / "trl"), "sft", "--accelerate_config", str(folder / "accelerate.yaml"),
+           "--model_name_or_path", str(folder / "model"), "--dataset_name", str(folder / "data"),
+           "--output_dir", str(folder / out), "--max_steps", "8", "--save_steps", "4", "--logging_steps", "1",
+           "--per_device_train_batch_size", "4", "--max_length", "64", "--learning_rate", "1e-3",
+           "--lr_scheduler_type", "constant", "--bf16", "true", "--use_cpu", "true", "--seed", "1234",
+           "--save_only_model", "false", "--report_to", "none", "--disable_tqdm", "true", *extra]
+    log_path = folder / f"{out}.log"
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(folder / "hf"), "LOCAL_SIZE": "2"}
+    with log_path.open("w") as log:
+        done = subprocess.run(cmd, env=_env(**offline, **env), stdout=log, stderr=subprocess.STDOUT, timeout=420,
+                              start_new_session=True, cwd=folder)
+    assert done.returncode == 0, log_path.read_text()[-5000:]
+    history = json.loads((folder / out / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+@pytest.mark.skipif(not PYTHON or not (Path(PYTHON).parent / "trl").exists(), reason="needs TRL in the wheel env")
+def test_trl_sft_under_z3guard_1_saves_resumes_and_equals_stock(tmp_path):
+    """A training CLI we do not own, with nothing but the environment changed: the banner is in its log, its
+    checkpoints carry z3guard's manifest, and its losses and saved weights are stock's, resumed or not."""
+    made = subprocess.run([PYTHON, str(SCRIPTS / "tiny_llama.py"), str(tmp_path)], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    _accelerate_config(tmp_path)
+    stock = _trl_sft(tmp_path, "stock")
+    guarded = _trl_sft(tmp_path, "guarded", Z3GUARD="1")
+    resumed = _trl_sft(tmp_path, "resumed", "--resume_from_checkpoint", str(tmp_path / "guarded" / "checkpoint-4"),
+                       Z3GUARD="1")
+    assert sorted(stock) == list(range(1, 9))
+    assert guarded == stock and resumed == stock
+    weights = [(tmp_path / run / "checkpoint-8" / "model.safetensors").read_bytes()
+               for run in ("stock", "guarded", "resumed")]
+    assert weights[0] == weights[1] == weights[2]
+    banner = f"z3guard {z3guard.__version__} guards this ZeRO-3 engine (DeepSpeed "
+    assert (tmp_path / "stock.log").read_text().count(banner) == 0
+    for run, saved in (("guarded", (4, 8)), ("resumed", (8,))):
+        assert (tmp_path / f"{run}.log").read_text().count(banner) == 1
+        for step in saved:
+            assert (tmp_path / run / f"checkpoint-{step}" / f"global_step{step}" / "z3guard-manifest.json").is_file()
+    assert not (tmp_path / "stock" / "checkpoint-4" / "global_step4" / "z3guard-manifest.json").exists()
