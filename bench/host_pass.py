@@ -1,5 +1,5 @@
 """Why the fused host pass (unscale + DeepSpeedCPUAdam + cast, adapter/fusedstep.py) takes longer inside a
-training step than alone (b24: 85 ms per step against 32 ms for the same partition in bench/fused_step.py).
+training step than alone (bench/fused_step.py).
 Inside one training process of z3guard (offload_param + offload_optimizer), run by torchrun on every rank:
 
     torchrun --nproc_per_node 2 bench/host_pass.py --device cuda

@@ -25,7 +25,7 @@ from z3guard.scenarios.launch import run_ranks  # noqa: E402
 
 MODELS = ["gpt2", "gpt2-skip", "gpt2-moe", "clip"]
 VARIANTS = ["stock", "stock-persist0", "stock-noprefetch", "z3guard", "z3guard-nofast"]
-# Issue 8: the offload configurations, stock against z3guard, on the static GPT-2 shape.
+# The offload configurations, stock against z3guard, on the static GPT-2 shape.
 OFFLOAD_RUNS = [("gpt2", "stock", "none"), ("gpt2", "stock", "param+optimizer"),
                 ("gpt2", "z3guard", "param+optimizer")]
 
@@ -73,7 +73,7 @@ def _stock_medians(records: list[dict]) -> list[float | None]:
 
 def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: int = typer.Option(2),
          models: list[str] = typer.Option(MODELS), variants: list[str] = typer.Option(VARIANTS),
-         offload_runs: bool = typer.Option(True, help="add the issue-8 offload configurations"),
+         offload_runs: bool = typer.Option(True, help="add the offload configurations"),
          run: list[str] = typer.Option([], help="explicit runs model:variant:offload (repeatable); "
                                                 "replaces the plan from --models/--variants"),
          isolate: bool = typer.Option(False, help="one process group per run (so each run's peak host "

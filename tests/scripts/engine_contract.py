@@ -56,7 +56,7 @@ def outcome(action: Callable[[], Any]) -> str:
 
 
 def main(out: Path) -> None:
-    if torch.cuda.is_available():  # on GPUs (gpu/contract.sh): NCCL, a device per rank
+    if torch.cuda.is_available():  # on GPUs (bench/gpu.sh): NCCL, a device per rank
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         deepspeed.init_distributed(dist_backend="nccl")
     else:
