@@ -13,7 +13,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-main test-wheel test-releases venv clean
+.PHONY: demo test test-main test-wheel test-releases test-releases-full venv clean
 
 venv: $(STAMP)
 
@@ -49,8 +49,13 @@ test-wheel: $(STAMP)
 	$(WHEEL)/bin/python $(PIP) --no-deps dist/z3guard-*.whl
 	Z3GUARD_WHEEL_PYTHON=$(abspath $(WHEEL))/bin/python $(PY) -m pytest -q tests/test_wheel.py
 
+# Every release: the self-check and the report's scenario. -full adds the other scenarios, the save/load
+# contract and the gathers (run it when adding a release or changing the adapter).
 test-releases: $(RELEASES_STAMP)
 	$(RELEASES)/bin/python tests/releases.py
+
+test-releases-full: $(RELEASES_STAMP)
+	$(RELEASES)/bin/python tests/releases.py --full
 
 clean:
 	rm -rf $(VENV) $(RELEASES) $(WHEEL) dist runs

@@ -1,12 +1,13 @@
 """Run the release-sensitive tests on every CPU-tested DeepSpeed release, one after another in one
 environment, swapping DeepSpeed between runs (a pure-Python install: seconds once pip has built it).
 
-    python tests/releases.py [RELEASE ...]    # default: every CPU-tested release but the main one
+    python tests/releases.py [--full] [RELEASE ...]    # default: every CPU-tested release but the main one
 
-The main release (requirements-cpu.txt) runs the whole suite in its own environment; here each other
-release runs the self-check and lifecycle tests, the report's crash scenarios (stock crashes, z3guard
-completes bit-identically), the save/load contract and z3guard's gathers. Each release's compiled CPU
-Adam is kept in ~/.cache/z3guard, so that only a machine's first run pays for compiling it.
+The main release (requirements-cpu.txt) runs the whole suite in its own environment. Here each other
+release runs a fast subset (what CI runs): the self-check and lifecycle tests, and the report's crash
+scenario (stock crashes, z3guard completes bit-identically). With --full each also runs the bf16 and
+`GatheredParameters` scenarios, the save/load contract and z3guard's gathers (`make test-releases-full`).
+Each release's compiled ops are kept in ~/.cache/z3guard, so that only a machine's first run compiles them.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from z3guard.adapter.releases import TESTED  # noqa: E402
 
-TESTS = ["tests/test_adapter.py", "tests/test_matrix.py", "tests/test_contract.py", "tests/test_gather.py"]
+FAST = ["tests/test_adapter.py", "tests/test_matrix.py"]
+FULL = [*FAST, "tests/test_contract.py", "tests/test_gather.py"]
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
 DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise
@@ -32,9 +34,9 @@ def cpu_releases() -> list[str]:
     return [r.version for r in TESTED if "CPU" in r.tested_on and r.version != MAIN]
 
 
-def run(release: str) -> tuple[bool, str]:
+def run(release: str, full: bool = False) -> tuple[bool, str]:
     entry = next(r for r in TESTED if r.version == release)
-    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu", Z3GUARD_RELEASE_MATRIX="1",
+    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu", Z3GUARD_RELEASE_MATRIX="1" if full else "fast",
                TORCH_EXTENSIONS_DIR=str(Path.home() / ".cache" / "z3guard" / "torch_extensions"
                                         / f"py{sys.version_info[0]}{sys.version_info[1]}-ds{release}"))
     if entry.cpu_shim:
@@ -46,7 +48,7 @@ def run(release: str) -> tuple[bool, str]:
         if installed.returncode != 0:
             return False, f"install failed: {installed.stderr[-2000:]}"
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=8"]
-    tested = subprocess.run([*pytest, *TESTS], cwd=ROOT,
+    tested = subprocess.run([*pytest, *(FULL if full else FAST)], cwd=ROOT,
                             env=env, capture_output=True, text=True)
     log = ROOT / "runs" / "releases" / f"{release}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -59,11 +61,12 @@ def run(release: str) -> tuple[bool, str]:
 
 
 def main(argv: list[str]) -> int:
-    releases = argv or cpu_releases()
+    full = "--full" in argv
+    releases = [a for a in argv if a != "--full"] or cpu_releases()
     passed, failed = [], []
     for release in releases:
         start = time.monotonic()
-        ok, detail = run(release)
+        ok, detail = run(release, full)
         print(f"DeepSpeed {release}: {'ok' if ok else 'FAILED'} in {time.monotonic() - start:.0f} s: "
               f"{detail if ok else ''}", flush=True)
         if not ok:

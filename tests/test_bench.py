@@ -1,4 +1,4 @@
-"""Issue 5/8: the benchmark harness's CPU smoke run (small sizes; the numbers that count come from GPUs)."""
+"""The benchmark harness's CPU smoke run (small sizes; the numbers that count come from GPUs)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 8: each repeated block fetched whole (a ZeRO-3 leaf module) gives the same bytes as stock DeepSpeed."""
+"""Each repeated block fetched whole (a ZeRO-3 leaf module) gives the same bytes as stock DeepSpeed."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Issue 4: atomic, checksummed, verified checkpoints; exact resume; faults and bad input."""
+"""Atomic, checksummed, verified checkpoints; exact resume; faults and bad input."""
 from __future__ import annotations
 
 import shutil

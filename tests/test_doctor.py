@@ -1,4 +1,4 @@
-"""Issue 6: `z3guard doctor` names each hazard kind, reports nothing on clean models, verifies its fix."""
+"""`z3guard doctor` names each hazard kind, reports nothing on clean models, verifies its fix."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Issue 8: the offload fast paths give the same bytes as stock DeepSpeed."""
+"""The offload fast paths give the same bytes as stock DeepSpeed."""
 from __future__ import annotations
 
 import functools

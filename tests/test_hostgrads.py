@@ -1,4 +1,4 @@
-"""Issue 8: the fp32 gradients cast on the host where read (adapter/hostgrads.py) give stock's bytes to
+"""The fp32 gradients cast on the host where read (adapter/hostgrads.py) give stock's bytes to
 every reader."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4: `z3guard.install()` is all a Trainer or accelerate user adds (real Trainer/accelerate,
+"""`z3guard.install()` is all a Trainer or accelerate user adds (real Trainer/accelerate,
 real DeepSpeed ZeRO-3 with CPU offload, 2 gloo ranks): stock crashes after resume + skipped step,
 guarded completes with the uninterrupted run's losses, and its checkpoint carries a manifest."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 5: prefetch survives a module order that changes every step (a block skipped on odd steps;
+"""Prefetch survives a module order that changes every step (a block skipped on odd steps;
 routing that picks one of four experts per layer)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 2/3: the report's crash, reproduced on stock DeepSpeed, and the guarded resume."""
+"""The report's crash, reproduced on stock DeepSpeed, and the guarded resume."""
 from __future__ import annotations
 
 import pytest

@@ -35,7 +35,7 @@ class SpeedPath:
 
 
 PATHS: tuple[SpeedPath, ...] = (
-    SpeedPath("multi_trace", "fast_block_fetch", tuple(PPC + m for m in (
+    SpeedPath("multi_trace", "fast_paths", tuple(PPC + m for m in (
         "__init__", "_clear_trace_structures", "_invalidate_trace", "trace_prologue", "record_module",
         "reset_step", "fetch_sub_module"))),
     SpeedPath("block_fetch", "fast_block_fetch", (
