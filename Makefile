@@ -49,8 +49,9 @@ test-wheel: $(STAMP)
 	$(WHEEL)/bin/python $(PIP) --no-deps dist/z3guard-*.whl
 	Z3GUARD_WHEEL_PYTHON=$(abspath $(WHEEL))/bin/python $(PY) -m pytest -q tests/test_wheel.py
 
-# Every release: the self-check and the report's scenario. -full adds the other scenarios, the save/load
-# contract and the gathers (run it when adding a release or changing the adapter).
+# Every release: the self-check; four of them (tests/releases.py SCENARIO) the report's scenario too. -full:
+# every release every scenario, the save/load contract and the gathers (when adding a release or changing
+# the adapter).
 test-releases: $(RELEASES_STAMP)
 	$(RELEASES)/bin/python tests/releases.py
 

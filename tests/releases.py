@@ -3,11 +3,12 @@ environment, swapping DeepSpeed between runs (a pure-Python install: seconds onc
 
     python tests/releases.py [--full] [RELEASE ...]    # default: every CPU-tested release but the main one
 
-The main release (requirements-cpu.txt) runs the whole suite in its own environment. Here each other
-release runs a fast subset (what CI runs): the self-check and lifecycle tests, and the report's crash
-scenario (stock crashes, z3guard completes bit-identically). With --full each also runs the bf16 and
-`GatheredParameters` scenarios, the save/load contract and z3guard's gathers (`make test-releases-full`).
-Each release's compiled ops are kept in ~/.cache/z3guard, so that only a machine's first run compiles them.
+The main release (requirements-cpu.txt) runs the whole suite in its own environment. Here, by default (what
+CI runs), every other release runs the self-check and lifecycle tests (tests/test_adapter.py), and the
+releases of SCENARIO also the report's crash scenario (stock crashes, z3guard completes bit-identically).
+With --full (`make test-releases-full`, when a release is added or the adapter changes) every release runs
+the scenario in fp16 and bf16, the `GatheredParameters` trigger, the save/load contract and the gathers.
+Each release's compiled ops are kept in ~/.cache/z3guard, so that a machine's later runs skip compiling.
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from z3guard.adapter.releases import TESTED  # noqa: E402
 
-FAST = ["tests/test_adapter.py", "tests/test_matrix.py"]
-FULL = [*FAST, "tests/test_contract.py", "tests/test_gather.py"]
+SELF_CHECK = ["tests/test_adapter.py"]
+FULL = [*SELF_CHECK, "tests/test_matrix.py", "tests/test_contract.py", "tests/test_gather.py"]
+# The oldest release, the last with a coordinator per mode (TRL's minimum), the first pinned release with one
+# coordinator for both (LLaMA-Factory's), and the newest before the main one (OpenRLHF's).
+SCENARIO = {"0.10.3", "0.14.5", "0.16.4", "0.19.5"}
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
 DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise
@@ -34,9 +38,17 @@ def cpu_releases() -> list[str]:
     return [r.version for r in TESTED if "CPU" in r.tested_on and r.version != MAIN]
 
 
+def tests_for(release: str, full: bool) -> tuple[list[str], str]:
+    """The test files and the matrix's case set (tests/matrix.py) for `release`."""
+    if full:
+        return FULL, "1"
+    return (SELF_CHECK + ["tests/test_matrix.py"] if release in SCENARIO else SELF_CHECK), "fast"
+
+
 def run(release: str, full: bool = False) -> tuple[bool, str]:
     entry = next(r for r in TESTED if r.version == release)
-    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu", Z3GUARD_RELEASE_MATRIX="1" if full else "fast",
+    tests, cases = tests_for(release, full)
+    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu", Z3GUARD_RELEASE_MATRIX=cases,
                TORCH_EXTENSIONS_DIR=str(Path.home() / ".cache" / "z3guard" / "torch_extensions"
                                         / f"py{sys.version_info[0]}{sys.version_info[1]}-ds{release}"))
     if entry.cpu_shim:
@@ -48,7 +60,7 @@ def run(release: str, full: bool = False) -> tuple[bool, str]:
         if installed.returncode != 0:
             return False, f"install failed: {installed.stderr[-2000:]}"
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=8"]
-    tested = subprocess.run([*pytest, *(FULL if full else FAST)], cwd=ROOT,
+    tested = subprocess.run([*pytest, *tests], cwd=ROOT,
                             env=env, capture_output=True, text=True)
     log = ROOT / "runs" / "releases" / f"{release}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ def fresh_state():
         z3guard.uninstall()
         adapter.load.cache_clear()
         speedpaths.current.cache_clear()
-        speedpaths._say_once.cache_clear()
+        speedpaths.say_off.cache_clear()
         z3guard._warn_once.cache_clear()
         fingerprint._module_tree.cache_clear()
 

@@ -14,7 +14,7 @@ FIELDS = {"model", "variant", "offload", "median_step_s", "min_step_s", "peak_gp
 
 def test_cpu_smoke_run_writes_every_record(tmp_path):
     out = tmp_path / "cpu.json"
-    done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--steps", "20", "--warmup", "2",
+    done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--steps", "8", "--warmup", "1",
                            "--out", str(out), "--timeout", "900"], capture_output=True, text=True, timeout=1000)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     records = json.loads(out.read_text())
@@ -23,12 +23,12 @@ def test_cpu_smoke_run_writes_every_record(tmp_path):
         for v in ("stock", "stock-persist0", "stock-noprefetch", "z3guard", "z3guard-nofast")}
     assert {r["offload"] for r in records} == {"none", "param", "param+optimizer"}
     for r in records:
-        assert FIELDS <= set(r) and r["steps"] == 20 and r["median_step_s"] > 0
+        assert FIELDS <= set(r) and r["steps"] == 8 and r["median_step_s"] > 0
     by = {(r["model"], r["variant"], r["offload"]): r for r in records}
     # The block-skipping model: stock re-records on every other step, z3guard switches traces.
-    assert by["gpt2-skip", "stock", "param"]["invalidations"] >= 10
+    assert by["gpt2-skip", "stock", "param"]["invalidations"] >= 4  # of 8 timed steps + 1 warm-up
     assert by["gpt2-skip", "z3guard", "param"]["invalidations"] <= 2
-    assert by["gpt2-skip", "z3guard", "param"]["trace_switches"] >= 18
+    assert by["gpt2-skip", "z3guard", "param"]["trace_switches"] >= 6
     assert by["gpt2", "z3guard", "param"]["invalidations"] == by["gpt2", "stock", "param"]["invalidations"] == 0
     assert "ZeRO-3 step time" in done.stdout
 

@@ -3,10 +3,15 @@ leaf modules before DeepSpeed registers its hooks.
 
 Why: ZeRO-3 fetches and releases per module, through Python hooks around every module's forward and
 backward (a GPT-2 block has thirteen modules, seven of them with no parameters of their own). At GPT-2-medium
-size on H200s those hooks, not the copies, are most of the forward and backward with offload: b58 measured
-the both-offloads step 480 -> 321-343 ms with whole blocks (forward 138 -> 73-80 ms). FSDP2 gathers per
-block for the same reason. DeepSpeed's leaf modules do exactly this (one fetch, one release per block) and
-change no arithmetic: each gradient is the same sum and is reduced once, after its block's backward.
+size on 2 x H200 those hooks, not the copies, are most of the forward and backward with offload: the
+both-offloads step went from 480 to 321-343 ms with whole blocks (forward 138 -> 73-80 ms; docs/benchmarks.md).
+FSDP2 gathers per block for the same reason. DeepSpeed's leaf modules do exactly this (one fetch, one
+release per block); each gradient is the same sum, reduced once, after its block's backward.
+
+Only at 1 or 2 ranks: a leaf's gradients are reduced together after its backward, so they sit at other
+offsets of the reduction buckets than stock's. With 3 or more ranks the collective then adds the ranks'
+values in another order for some elements, and the result can differ from stock's in the last bits (3 gloo
+ranks: a loss after 15 steps; tests/test_world_sizes.py). With 2 ranks a sum has one order.
 
 Which modules: the same-class children of an `nn.ModuleList` / `nn.Sequential` that occur at least twice,
 hold parameters in at least two modules, fit in `stage3_max_live_parameters` (DeepSpeed's own bound on
@@ -22,6 +27,7 @@ from typing import Any
 from torch import nn
 
 MARK = "_z3guard_block"  # on the modules marked here: what `marked` counts
+PROVEN_RANKS = 2  # the most ranks at which a whole-block fetch reduces in stock's order (see above)
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
@@ -50,10 +56,27 @@ def mark(model: nn.Module, max_numel: int) -> int:
 
 def before_hooks(model: nn.Module, settings: dict[str, Any]) -> int:
     """Mark `model`'s blocks from DeepSpeedZeRoOffload's arguments, unless the user chose the granularity
-    (a granularity threshold) or ZenFlow runs (its hooks transpose a module's parameters per fetch)."""
+    (a granularity threshold), ZenFlow runs (its hooks transpose a module's parameters per fetch) or more
+    ranks reduce the gradients than the path is bit-identical for."""
     if settings.get("zero_module_granularity_threshold") or settings.get("zenflow"):
         return 0
+    ranks = reducing_ranks(settings.get("dp_process_group"))
+    if ranks > PROVEN_RANKS:
+        import logging
+
+        from . import speedpaths
+
+        speedpaths.say_off("block_fetch", f"at {ranks} ranks: its gradients would be summed in another order "
+                                          "than stock's (bit-identical at 1 or 2 ranks)", logging.WARNING)
+        return 0
     return mark(model, int(settings["max_live_parameters"]))
+
+
+def reducing_ranks(group: Any) -> int:
+    """How many ranks reduce the gradients: the data-parallel group DeepSpeed passes (None: all)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group=group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def marked(model: nn.Module) -> int:

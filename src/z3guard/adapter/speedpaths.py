@@ -97,14 +97,18 @@ def why_off(name: str) -> str | None:
 def allowed(name: str) -> bool:
     reason = why_off(name)
     if reason is not None:
-        _say_once(name, reason)
+        say_off(name, f"on this DeepSpeed: {reason}")
     return reason is None
 
 
 @functools.cache
-def _say_once(name: str, reason: str) -> None:
-    log.info("z3guard: speed path %s off on this DeepSpeed: %s; the crash fix and the other paths are "
-             "unaffected", name, reason)
+def say_off(name: str, reason: str, level: int = logging.INFO) -> None:
+    """Once per process and reason, on rank 0: a speed path that turned itself off, and why."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        log.log(level, "z3guard: speed path %s off %s; the crash fix and the other paths are unaffected",
+                name, reason)
 
 
 if __name__ == "__main__":

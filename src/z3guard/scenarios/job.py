@@ -273,12 +273,17 @@ def _consume_rng() -> list[float]:
 
 
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
-    """This rank's optimizer state (its partition), flattened to named tensors."""
+    """This rank's optimizer state (its partition), flattened to named tensors, padding zeroed."""
     out: dict[str, torch.Tensor] = {}
+    padding = _partition_padding(engine)
 
     def walk(prefix: str, obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
             out[prefix] = obj.detach().cpu().clone()
+            group = re.search(r"fp32_flat_groups\[(\d+)\]$|\.state\.(\d+)\.\w+$", prefix)
+            mask = padding.get(int(next(g for g in group.groups() if g))) if group else None
+            if mask is not None and mask.numel() == out[prefix].numel():
+                out[prefix].view(-1)[mask] = 0
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
@@ -288,6 +293,25 @@ def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
 
     walk("optimizer", engine.optimizer.state_dict())
     return out
+
+
+def _partition_padding(engine) -> dict[int, torch.Tensor]:
+    """Per optimizer sub-group, where this rank's flat fp32 partition is padding: a parameter's tail past
+    its numel when the ranks do not divide it evenly. Stage 3 never writes those elements, so two stock runs
+    of one job differ there (at 3 ranks, say); they are not the model's state."""
+    import torch.distributed as dist
+
+    masks: dict[int, torch.Tensor] = {}
+    for i, group in enumerate(getattr(engine.optimizer, "fp16_groups", [])):
+        parts = []
+        for p in group:
+            size = p.partition_numel()
+            start = dist.get_rank(group=p.ds_process_group) * size
+            real = max(0, min(size, p.ds_numel - start))
+            parts.append(torch.arange(size) >= real)
+        if parts:
+            masks[i] = torch.cat(parts)
+    return masks
 
 
 def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) -> None:
