@@ -18,10 +18,12 @@ class Size:
     batch: int  # sequences per rank
 
     @classmethod
-    def of(cls, device: str) -> "Size":
-        if device == "cuda":  # GPT-2 medium's shape, 4 x 1024 tokens per GPU
-            return cls(layers=24, width=1024, heads=16, vocab=50257, seq=1024, batch=4)
-        return cls(layers=4, width=64, heads=4, vocab=256, seq=32, batch=2)
+    def of(cls, device: str, model: str = "gpt2") -> "Size":
+        if device != "cuda":
+            return cls(layers=4, width=64, heads=4, vocab=256, seq=32, batch=2)
+        if model == "big":  # blocks of 0.8B parameters (a 70B model's layer holds 0.86B), 1 x 1024 tokens
+            return cls(layers=4, width=8192, heads=64, vocab=32000, seq=1024, batch=1)
+        return cls(layers=24, width=1024, heads=16, vocab=50257, seq=1024, batch=4)  # GPT-2 medium, 4 x 1024
 
 
 def _config(size: Size):
@@ -81,8 +83,8 @@ class RoutedMLP(nn.Module):
 
 
 def make(model: str, device: str) -> tuple[nn.Module, Size]:
-    size = Size.of(device)
-    if model == "gpt2":
+    size = Size.of(device, model)
+    if model in ("gpt2", "big"):
         return GPT2Like(size), size
     if model == "gpt2-leaf":  # each block fetched whole: DeepSpeed's leaf-module setting, as a user sets it
         from deepspeed.utils import set_z3_leaf_modules

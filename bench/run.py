@@ -1,4 +1,7 @@
 """Benchmark stock DeepSpeed ZeRO-3, its workarounds and z3guard side by side, in one process group.
+Baselines beside them: stock-tuned (stock with this rank's share of the cores as its threads), fsdp2
+(PyTorch FSDP2, bf16; fsdp2-tuned with the threads of stock-tuned), and stock-bf16 / z3guard-bf16 to
+compare with it at equal precision. Every record names its precision and threads.
 
     python bench/run.py --device cpu           # small sizes: a smoke run (CI)
     python bench/run.py --device cuda          # GPT-2-medium shape on 2 GPUs: the numbers that count
@@ -30,6 +33,17 @@ OFFLOAD_RUNS = [("gpt2", "stock", "none"), ("gpt2", "stock", "param+optimizer"),
                 ("gpt2", "z3guard", "param+optimizer")]
 
 
+def applicable(runs: list[dict], console: Console) -> list[dict]:
+    """The runs that exist: FSDP2 has no parameter-only offload (its CPUOffloadPolicy moves parameters,
+    gradients and the optimizer step together), so fsdp2 with `param` is skipped, with a note."""
+    skipped = [r for r in runs if r["variant"].startswith("fsdp2") and r["offload"] == "param"]
+    for r in skipped:
+        console.print(f"[yellow]skipped {r['model']}:{r['variant']}:param: not applicable, FSDP2 has no "
+                      f"parameter-only offload (CPUOffloadPolicy offloads parameters, gradients and the "
+                      f"optimizer step together: see {r['model']}:{r['variant']}:param+optimizer)[/]")
+    return [r for r in runs if r not in skipped]
+
+
 def plan(models: list[str], variants: list[str], offload_runs: bool) -> list[dict]:
     runs = [{"model": m, "variant": v, "offload": "param"} for m in models for v in variants]
     if offload_runs:
@@ -42,16 +56,17 @@ def table(records: list[dict]) -> Table:
     groups = "a process group per run" if isolated else "one process group"
     t = Table(title=f"ZeRO-3 step time, side by side ({groups})")
     host = "host peak GiB" if isolated else "host RSS GiB"  # one process for all runs: RSS only grows
-    for col in ("model", "offload", "variant", "median ms", "fwd / bwd / step ms", "x stock", "tokens/s",
+    for col in ("model", "offload", "variant", "dtype / thr", "median ms", "fwd / bwd / step ms", "x stock", "tokens/s",
                 "peak GPU GiB", host, "invalidations", "switches"):
         t.add_column(col, justify="right" if col not in ("model", "offload", "variant") else "left")
     for r, base in zip(records, _stock_medians(records)):
         gib = (lambda b: f"{b / 2**30:.2f}" if b else "-")
         split = " / ".join(f"{v * 1e3:.0f}" for v in r.get("phase_median_s", {}).values()) or "-"
-        t.add_row(r["model"], r["offload"], r["variant"], f"{r['median_step_s'] * 1e3:.1f}", split,
+        t.add_row(r["model"], r["offload"], r["variant"], f"{r.get('precision', '-')} / {r.get('threads', '-')}",
+                  f"{r['median_step_s'] * 1e3:.1f}", split,
                   f"{r['median_step_s'] / base:.3f}" if base else "-", f"{r['tokens_per_s']:.0f}",
                   gib(r["peak_gpu_mem_bytes"]), gib(r["host_peak_rss_bytes" if isolated else "host_rss_bytes"]),
-                  str(r["invalidations"]), "-" if r["trace_switches"] is None else str(r["trace_switches"]))
+                  *("-" if r[k] is None else str(r[k]) for k in ("invalidations", "trace_switches")))
     return t
 
 
@@ -84,6 +99,7 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
     console = Console(width=170)
     runs = ([dict(zip(("model", "variant", "offload"), r.split(":"))) for r in run] if run
             else plan(models, variants, offload_runs))
+    runs = applicable(runs, console)
     work = Path(tempfile.mkdtemp(prefix="z3guard-bench-"))
     groups = [[r] for r in runs] if isolate else [runs]
     console.print(f"{len(runs)} runs, {warmup} warm-up + {steps} timed steps each, {nproc} ranks on {device}, "

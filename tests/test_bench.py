@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,29 @@ def test_isolated_runs_each_get_a_process_group(tmp_path):
         assert set(r["phase_median_s"]) == {"forward", "backward", "step"}
         assert r["host_peak_rss_bytes"] >= r["host_rss_bytes"] - 2**20  # peak of its own process
     assert "2 process group(s)" in done.stdout and "host peak GiB" in done.stdout
+
+
+def test_baselines_name_their_precision_and_threads(tmp_path):
+    """stock-tuned takes this rank's share of the cores and gives it back for the next run; FSDP2 runs on the
+    same model and batches, offloading parameters, gradients and the step together (it has no `param` alone)."""
+    from z3guard.adapter.hostthreads import usable_cpus
+
+    out = tmp_path / "cpu.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--steps", "2", "--warmup", "1",
+                           "--run", "gpt2:stock-tuned:none", "--run", "gpt2:stock:none",
+                           "--run", "gpt2:fsdp2:param+optimizer", "--run", "gpt2:fsdp2:param",
+                           "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "skipped gpt2:fsdp2:param: not applicable" in done.stdout and "dtype / thr" in done.stdout
+    records = json.loads(out.read_text())
+    by = {r["variant"]: r for r in records}
+    assert [r["variant"] for r in records] == ["stock-tuned", "stock", "fsdp2"]
+    for r in records:
+        assert FIELDS <= set(r) and r["steps"] == 2 and r["median_step_s"] > 0 and r["precision"] == "bf16"
+        assert set(r["phase_median_s"]) == {"forward", "backward", "step"}
+    share = max(1, usable_cpus() // 2)  # 2 ranks
+    assert (by["stock-tuned"]["threads"], by["stock-tuned"]["omp_threads"]) == (share, str(share))
+    launched = os.environ.get("OMP_NUM_THREADS", "1")  # what the launch gives each rank (scenarios/launch.py)
+    assert (by["stock"]["threads"], by["stock"]["omp_threads"]) == (int(launched), launched)  # given back
+    assert by["fsdp2"]["fsdp2_offload"].startswith("parameters, gradients and optimizer step")
+    assert by["fsdp2"]["fsdp2_units"] == 5 and by["fsdp2"]["invalidations"] is None  # 4 blocks and the root

@@ -6,7 +6,7 @@ import os
 import pytest
 from torch import nn
 
-from z3guard.adapter.blockfetch import before_hooks, repeated_blocks
+from z3guard.adapter.blockfetch import before_hooks, largest_module, repeated_blocks
 from z3guard.scenarios import compare
 from z3guard.scenarios.job import Job
 from z3guard.scenarios.models import Block, Routed, TinyLM
@@ -14,15 +14,24 @@ from z3guard.scenarios.models import Block, Routed, TinyLM
 from .conftest import launch
 
 MANY = 10**9
+VOCAB = 512  # an embedding (32768) larger than a block (16704), as in a language model of any size
 
 
 def test_the_repeated_blocks_of_a_module_list_are_chosen():
-    model = TinyLM(depth=3)
+    model = TinyLM(depth=3, vocab=VOCAB)
     assert repeated_blocks(model, MANY) == list(model.blocks)
 
 
+def test_a_block_larger_than_the_models_largest_module_stays_per_module():
+    """Stock never gathers more than its largest module at once; a block that holds more would raise the
+    memory peak (0.8B-parameter blocks beside 0.27B modules: +10% on one H200, docs/benchmarks.md)."""
+    model = TinyLM(depth=3)  # embedding 4096, each linear 8320, each block 16704
+    assert largest_module(model) == 8320
+    assert repeated_blocks(model, MANY) == []
+
+
 def test_experts_are_chosen_each_not_the_block_that_routes_between_them():
-    model = TinyLM(experts=4, depth=2)  # a routed block would fetch every expert where one runs
+    model = TinyLM(experts=4, depth=2, vocab=VOCAB)  # a routed block would fetch every expert where one runs
     chosen = repeated_blocks(model, MANY)
     assert not any(isinstance(m, Routed) for m in chosen)
     assert chosen == [expert for block in model.blocks for expert in block.experts]
@@ -37,7 +46,7 @@ def test_nothing_else_is_chosen(model, why):
 
 
 def test_a_block_larger_than_deepspeeds_live_parameter_bound_stays_per_module():
-    model = TinyLM(depth=3, width=64)
+    model = TinyLM(depth=3, width=64, vocab=VOCAB)
     size = sum(p.numel() for p in model.blocks[0].parameters())
     assert repeated_blocks(model, size) == list(model.blocks)
     assert repeated_blocks(model, size - 1) == []
@@ -46,18 +55,28 @@ def test_a_block_larger_than_deepspeeds_live_parameter_bound_stays_per_module():
 def test_the_users_granularity_is_left_alone():
     from deepspeed.utils import set_z3_leaf_modules
 
-    model = TinyLM(depth=3)
+    model = TinyLM(depth=3, vocab=VOCAB)
     set_z3_leaf_modules(model, [nn.LayerNorm])  # any leaf module of the user's
     assert repeated_blocks(model, MANY) == []
     settings = {"max_live_parameters": MANY, "zenflow": False, "zero_module_granularity_threshold": 1000}
-    assert before_hooks(TinyLM(depth=3), settings) == 0
+    assert before_hooks(TinyLM(depth=3, vocab=VOCAB), settings) == 0
 
 
-def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs):
+def _scripts_on_path(monkeypatch) -> None:
+    """The ranks import the model factories of tests/scripts/checkpointed_lm.py by name."""
+    from pathlib import Path
+
+    scripts = str(Path(__file__).parent / "scripts")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])))
+
+
+def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs, monkeypatch):
     """Real ZeRO-3 with both offloads, fp16, the report's tied LM (its head reads the embedding's weight):
     stock against z3guard with its blocks fetched whole and without."""
+    _scripts_on_path(monkeypatch)
     skips = [3, 10, 25, 26, 40]
-    common = dict(scenario="tied", steps=52, skip_at=skips)
+    common = dict(model="checkpointed_lm:plain", batch="checkpointed_lm:batch", hidden=64,
+                  config={"fp16": {"initial_scale_power": 8}}, steps=52, skip_at=skips)
     done = launch([Job("stock", **common), Job("blocks", guard=True, **common),
                    Job("modules", guard=True, options={"fast_block_fetch": False}, **common)], runs / "blockfetch")
     blocks, modules = done.result("blocks"), done.result("modules")
@@ -75,10 +94,7 @@ def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs):
 @pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
 def test_blocks_fetched_whole_under_activation_checkpointing_are_bit_identical(runs, kind, monkeypatch):
     """Each block recomputed in the backward (Hugging Face's gradient checkpointing does this per layer)."""
-    from pathlib import Path
-
-    scripts = str(Path(__file__).parent / "scripts")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])))
+    _scripts_on_path(monkeypatch)
     common = dict(model=f"checkpointed_lm:{kind}", batch="checkpointed_lm:batch", hidden=64,
                   config={"fp16": {"initial_scale_power": 8}}, steps=14, skip_at=[3, 10],
                   events={"5": ["gathered"], "11": ["eval"]})

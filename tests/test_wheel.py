@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -110,13 +111,22 @@ def straight(tmp_path_factory) -> dict:
     return _trainer(tmp_path_factory.mktemp("trainer") / "straight", "straight")
 
 
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> Path:
+    """The job's first part under Z3GUARD=1 (torchrun): saved at step 4, then stopped."""
+    out = tmp_path_factory.mktemp("trainer") / "guarded"
+    _trainer(out, "first", Z3GUARD="1")
+    return out
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "accelerate"])
-def test_z3guard_1_alone_guards_a_trainer_resume_that_never_calls_z3guard(tmp_path, straight, launcher):
+def test_z3guard_1_alone_guards_a_trainer_resume_that_never_calls_z3guard(tmp_path, straight, interrupted, launcher):
     """Stock (no variable) crashes after resume + skipped step; with Z3GUARD=1 the resumed losses are the
-    uninterrupted run's, and rank 0 logged the banner once."""
-    for phase in ("first", "resume"):
-        guarded = _trainer(tmp_path / "guarded", phase, launcher, Z3GUARD="1")
-        if launcher == "torchrun":  # stock's crash does not depend on the launcher (tests/test_repro.py)
+    uninterrupted run's, and rank 0 logged the banner once. Each launcher resumes the same saved job."""
+    shutil.copytree(interrupted, tmp_path / "guarded")
+    guarded = _trainer(tmp_path / "guarded", "resume", launcher, Z3GUARD="1")
+    if launcher == "torchrun":  # stock's crash does not depend on the launcher (tests/test_repro.py)
+        for phase in ("first", "resume"):
             stock = _trainer(tmp_path / "stock", phase, launcher)
     if launcher == "torchrun":
         assert stock["crash"] and "expected the next 4 parameters" in stock["crash"]

@@ -16,7 +16,7 @@ from .conftest import LAUNCH_TIMEOUT
 
 DS_ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
            "zero_optimization": {"sub_group_size": 5000}}
-SKIPS = [3, 8, 9]  # one right after another
+SKIPS = [3, 10, 25, 26, 40]  # one right after another too
 OTHER_PATHS = {"writeback", "fused_step", "grad_offload", "grads_cast_on_host", "overflow_check",
                "persistent_gather", "host_threads=2"}
 
@@ -42,9 +42,9 @@ def skip_block_with_leaf_blocks():
 def ranks(request, runs):
     """Stock, z3guard with its defaults, and stock with the blocks made leaf modules by hand (what
     block_fetch does), in one group of 3 or 4 ranks."""
-    common = dict(steps=16, skip_at=SKIPS)
+    common = dict(steps=52, skip_at=SKIPS)
     by_hand = dict(batch="z3guard.scenarios.catalog:_token_batch", hidden=64, config={**DS_ADAM, **LM_SCALE},
-                   **common)
+                   steps=16, skip_at=[s for s in SKIPS if s <= 16])
     jobs = [Job("stock", scenario="skip-block", config=DS_ADAM, **common),
             Job("fast", scenario="skip-block", guard=True, options={"host_threads": 2}, config=DS_ADAM, **common),
             Job("stock-modules", model=f"{__name__}:skip_block", **by_hand),
@@ -60,7 +60,7 @@ def test_every_other_speed_path_is_bit_identical_to_stock(ranks):
     nproc, done = ranks
     stock, fast = done.result("stock"), done.result("fast")
     assert set(fast["fast_paths"]) == OTHER_PATHS and fast["trace"]["switches"] > 0  # and multi_trace
-    assert stock["skipped"] == fast["skipped"] == SKIPS
+    assert stock["skipped"] == fast["skipped"] and set(SKIPS) <= set(stock["skipped"])  # fp16 overflows too
     diff = compare.first_job_difference(done, "stock", "fast", nproc=nproc)  # losses, weights, every optimizer
     assert diff is None, str(diff)
     assert "speed path block_fetch off at " + str(nproc) + " ranks" in done.log
@@ -71,7 +71,8 @@ def test_blocks_fetched_whole_are_left_to_1_or_2_ranks(ranks):
     and ends on other bits: z3guard does not fetch blocks whole past 2 ranks, and says so once."""
     nproc, done = ranks
     assert blockfetch.PROVEN_RANKS == 2
-    assert done.result("stock-modules")["losses"] == done.result("stock")["losses"]  # the same run, by hand
+    by_hand, stock = done.result("stock-modules")["losses"], done.result("stock")["losses"]
+    assert by_hand == {step: loss for step, loss in stock.items() if int(step) <= 16}  # the same run, by hand
     if nproc == 3:
         assert compare.first_job_difference(done, "stock-modules", "stock-blocks", nproc=nproc) is not None
     assert done.log.count(f"speed path block_fetch off at {nproc} ranks") == 1  # rank 0, once

@@ -1,5 +1,6 @@
-"""Model factories for tests/test_blockfetch.py: the tied LM with each block under activation checkpointing
-(as Hugging Face's gradient checkpointing runs a model's layers), reentrant or not."""
+"""Model factories for tests/test_blockfetch.py: the tied LM with an embedding larger than a block (as in a
+language model of any size: whole blocks are fetched only then), plain or with each block under activation
+checkpointing (as Hugging Face's gradient checkpointing runs a model's layers), reentrant or not."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,16 @@ from z3guard.scenarios.catalog import _token_batch
 from z3guard.scenarios.models import TinyLM
 
 
+VOCAB = 512  # embedding 32768 parameters, each block 16704
+
+
+def plain() -> TinyLM:
+    return TinyLM(vocab=VOCAB)
+
+
 class CheckpointedLM(TinyLM):
     def __init__(self, reentrant: bool):
-        super().__init__()
+        super().__init__(vocab=VOCAB)
         self.reentrant = reentrant
 
     def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:

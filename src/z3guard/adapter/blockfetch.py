@@ -14,8 +14,10 @@ values in another order for some elements, and the result can differ from stock'
 ranks: a loss after 15 steps; tests/test_world_sizes.py). With 2 ranks a sum has one order.
 
 Which modules: the same-class children of an `nn.ModuleList` / `nn.Sequential` that occur at least twice,
-hold parameters in at least two modules, fit in `stage3_max_live_parameters` (DeepSpeed's own bound on
-gathered parameters), and hold no container of modules (experts chosen per step: a leaf would fetch every
+hold parameters in at least two modules, hold no more parameters than the model's largest single module
+(stock gathers that one whole, with its full gradient: a block no larger gathers no more at once, so the
+memory peak does not rise; a block of 0.8B parameters beside 0.27B modules raised it 10% on one H200), fit
+in `stage3_max_live_parameters` (DeepSpeed's own bound on gathered parameters), and hold no container of modules (experts chosen per step: a leaf would fetch every
 expert, where ZeRO-3 fetches the ones that run). Nothing is marked where the user marked a leaf module or
 set `stage3_module_granularity_threshold`: the fetch granularity is theirs then.
 """
@@ -38,8 +40,13 @@ def repeated_blocks(model: nn.Module, max_numel: int) -> list[nn.Module]:
     if any(z3_leaf_module(m) for m in model.modules()):
         return []
     found: list[nn.Module] = []
-    _collect(model, max_numel, found)
+    _collect(model, min(max_numel, largest_module(model)), found)
     return found
+
+
+def largest_module(model: nn.Module) -> int:
+    """The most parameters one module holds of its own: the most stock ZeRO-3 gathers at once."""
+    return max((sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
 
 
 def mark(model: nn.Module, max_numel: int) -> int:
