@@ -72,9 +72,14 @@ if has tables; then
   # offload_param only and no offload, a process group per run (stock with offload_param added at the end).
   bench param-offload --isolate --warmup 8 --steps 15 $(runs gpt2:stock:none gpt2:z3guard:param \
     gpt2:z3guard-noblocks:param gpt2:z3guard:none gpt2:stock:none gpt2:stock:param)
-  # Not yet published: both offloads with OMP_NUM_THREADS set by the user (the host's cores per rank).
-  OMP_NUM_THREADS=$(( $(nproc) / NPROC )) bench both-offloads-threads --isolate --warmup 8 --steps 12 \
-    $(runs gpt2:stock:$PO gpt2:z3guard:$PO gpt2:stock:$PO gpt2:z3guard:$PO)
+  # The baselines: stock given the cores per rank, z3guard in fp16 and bf16, PyTorch FSDP2 (bf16; with offload
+  # its CPUOffloadPolicy), no offload and both offloads, a process group per run.
+  bench baselines --isolate --warmup 8 --steps 12 $(runs gpt2:stock:none gpt2:z3guard:none \
+    gpt2:z3guard-bf16:none gpt2:fsdp2:none gpt2:stock:$PO gpt2:stock-tuned:$PO gpt2:z3guard:$PO \
+    gpt2:fsdp2:$PO gpt2:fsdp2-tuned:$PO)
+  # Blocks of 0.8B parameters: peak GPU memory against stock's.
+  bench big-blocks --isolate --warmup 3 --steps 5 $(runs big:stock:param big:z3guard:param big:stock:$PO \
+    big:z3guard:$PO)
   # Models whose module order changes, the workarounds and the trace guard alone, in one process group.
   bench order-changes --warmup 5 --steps 20 $(runs gpt2:stock:param gpt2:stock-persist0:param \
     gpt2:stock-noprefetch:param gpt2:z3guard-nofast:param gpt2:z3guard:param gpt2-skip:stock:param \
