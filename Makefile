@@ -35,7 +35,7 @@ $(RELEASES_STAMP): pyproject.toml requirements-releases.txt
 demo: $(STAMP)
 	$(VENV)/bin/z3guard repro
 
-test: test-main test-wheel test-releases
+test: demo test-main test-wheel test-releases  # the demo first: the README's first command
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q tests
