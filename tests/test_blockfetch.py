@@ -70,6 +70,19 @@ def _scripts_on_path(monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])))
 
 
+def test_nvme_parameter_offload_keeps_per_module_fetches(caplog):
+    """A block would swap in all its partitions at once: more than the NVMe swapper's buffers may hold."""
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    settings = {"max_live_parameters": MANY, "zenflow": False, "zero_module_granularity_threshold": 0}
+    nvme = DeepSpeedZeroOffloadParamConfig(device="nvme", nvme_path="/tmp")
+    cpu = DeepSpeedZeroOffloadParamConfig(device="cpu")
+    with caplog.at_level("WARNING", logger="z3guard"):
+        assert before_hooks(TinyLM(depth=3, vocab=VOCAB), {**settings, "offload_param_config": nvme}) == 0
+    assert "speed path block_fetch off with NVMe parameter offload" in caplog.text
+    assert before_hooks(TinyLM(depth=3, vocab=VOCAB), {**settings, "offload_param_config": cpu}) == 3
+
+
 def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs, monkeypatch):
     """Real ZeRO-3 with both offloads, fp16, the report's tied LM (its head reads the embedding's weight):
     stock against z3guard with its blocks fetched whole and without."""

@@ -69,14 +69,21 @@ def before_hooks(model: nn.Module, settings: dict[str, Any]) -> int:
         return 0
     ranks = reducing_ranks(settings.get("dp_process_group"))
     if ranks > PROVEN_RANKS:
-        import logging
-
-        from . import speedpaths
-
-        speedpaths.say_off("block_fetch", f"at {ranks} ranks: its gradients would be summed in another order "
-                                          "than stock's (bit-identical at 1 or 2 ranks)", logging.WARNING)
-        return 0
+        return _off(f"at {ranks} ranks: its gradients would be summed in another order than stock's "
+                    "(bit-identical at 1 or 2 ranks)")
+    if str(getattr(settings.get("offload_param_config"), "device", "none")).endswith("nvme"):
+        return _off("with NVMe parameter offload: a block swaps in all its partitions at once, more than "
+                    "the swapper's buffers may hold")
     return mark(model, int(settings["max_live_parameters"]))
+
+
+def _off(reason: str) -> int:
+    import logging
+
+    from . import speedpaths
+
+    speedpaths.say_off("block_fetch", reason, logging.WARNING)
+    return 0
 
 
 def reducing_ranks(group: Any) -> int:
