@@ -41,6 +41,7 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nocheck": {"fast_overflow_check": False},
     "z3guard-nogradoffload": {"fast_grad_offload": False},
     "z3guard-noblocks": {"fast_block_fetch": False},
+    "z3guard-blocks": {"fast_block_fetch": True},
 }
 FSDP2 = {"fsdp2", "fsdp2-tuned"}  # PyTorch's FSDP2, not DeepSpeed (fsdp2.py); bf16
 TUNED = {"stock-tuned", "fsdp2-tuned"}  # threads as a careful user sets them, not torchrun's 1 per rank

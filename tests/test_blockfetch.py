@@ -90,8 +90,8 @@ def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs, m
     skips = [3, 10, 25, 26, 40]
     common = dict(model="checkpointed_lm:plain", batch="checkpointed_lm:batch", hidden=64,
                   config={"fp16": {"initial_scale_power": 8}}, steps=52, skip_at=skips)
-    done = launch([Job("stock", **common), Job("blocks", guard=True, **common),
-                   Job("modules", guard=True, options={"fast_block_fetch": False}, **common)], runs / "blockfetch")
+    done = launch([Job("stock", **common), Job("blocks", guard=True, options={"fast_block_fetch": True}, **common),
+                   Job("modules", guard=True, **common)], runs / "blockfetch")
     blocks, modules = done.result("blocks"), done.result("modules")
     assert "block_fetch=3" in blocks["fast_paths"]
     assert not any(p.startswith("block_fetch") for p in modules["fast_paths"])
@@ -111,7 +111,24 @@ def test_blocks_fetched_whole_under_activation_checkpointing_are_bit_identical(r
     common = dict(model=f"checkpointed_lm:{kind}", batch="checkpointed_lm:batch", hidden=64,
                   config={"fp16": {"initial_scale_power": 8}}, steps=14, skip_at=[3, 10],
                   events={"5": ["gathered"], "11": ["eval"]})
-    done = launch([Job("stock", **common), Job("blocks", guard=True, **common)], runs / f"blockfetch-{kind}")
+    done = launch([Job("stock", **common), Job("blocks", guard=True, options={"fast_block_fetch": True}, **common)],
+                  runs / f"blockfetch-{kind}")
     assert "block_fetch=3" in done.result("blocks")["fast_paths"]
     diff = compare.first_job_difference(done, "stock", "blocks")
+    assert diff is None, str(diff)
+
+
+def test_a_parameter_unused_inside_a_block_is_why_blocks_are_off_by_default(runs, monkeypatch):
+    """A block whose extra projection runs on even steps only: DeepSpeed's leaf module reduces a zero
+    gradient for it on odd steps, where stock leaves its gradient region as it was. Fetched whole (asked
+    for), the run leaves stock's bits; by default z3guard fetches per module and stays bit-identical."""
+    _scripts_on_path(monkeypatch)
+    common = dict(model="checkpointed_lm:gated", batch="checkpointed_lm:batch", hidden=64,
+                  config={"fp16": {"initial_scale_power": 8}}, steps=12, skip_at=[3, 10])
+    done = launch([Job("stock", **common), Job("default", guard=True, **common),
+                   Job("blocks", guard=True, options={"fast_block_fetch": True}, **common)], runs / "blockfetch-gated")
+    assert "block_fetch=3" in done.result("blocks")["fast_paths"]
+    assert not any(p.startswith("block_fetch") for p in done.result("default")["fast_paths"])
+    assert compare.first_job_difference(done, "stock", "blocks") is not None
+    diff = compare.first_job_difference(done, "stock", "default")
     assert diff is None, str(diff)

@@ -46,7 +46,8 @@ def ranks(request, runs):
     by_hand = dict(batch="z3guard.scenarios.catalog:_token_batch", hidden=64, config={**DS_ADAM, **LM_SCALE},
                    steps=16, skip_at=[s for s in SKIPS if s <= 16])
     jobs = [Job("stock", scenario="skip-block", config=DS_ADAM, **common),
-            Job("fast", scenario="skip-block", guard=True, options={"host_threads": 2}, config=DS_ADAM, **common),
+            Job("fast", scenario="skip-block", guard=True, options={"host_threads": 2, "fast_block_fetch": True},
+                config=DS_ADAM, **common),
             Job("stock-modules", model=f"{__name__}:skip_block", **by_hand),
             Job("stock-blocks", model=f"{__name__}:skip_block_with_leaf_blocks", **by_hand)]
     done = run_jobs(jobs, runs / f"world-{request.param}", nproc=request.param, timeout=LAUNCH_TIMEOUT)

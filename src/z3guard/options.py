@@ -46,12 +46,15 @@ class GuardOptions:
     copy there (an exact cast), and DeepSpeed's gradient accessors get them written first. Same bytes (the
     same IEEE operations in the same order); off only to compare with stock."""
 
-    fast_block_fetch: bool = True
+    fast_block_fetch: bool = False
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of
-    module by module through hooks that cost more than the copies at transformer sizes. Applies to the
-    engines built after `install()` (an existing engine's hooks are set already), on DeepSpeed 0.19; never
-    where the model has a leaf module or a granularity threshold of the user's. Bit-identical (the same
-    sums, each gradient reduced once); off to keep DeepSpeed's per-module fetch. See adapter/blockfetch.py."""
+    module by module through hooks that cost more than the copies at transformer sizes (both offloads on
+    2 x H200: 480 -> 321-343 ms). Off by default: where a parameter inside a block goes unused on a step
+    (a branch taken on some steps), DeepSpeed's leaf module reduces a zero gradient for it, where stock
+    leaves that parameter's gradient region as it was; the weights then differ from stock's. Turn it on for
+    models whose blocks use every parameter on every step. Applies to engines built after `install()`, on
+    DeepSpeed 0.19, at 1-2 ranks, without NVMe offload, never where the model has a leaf module or a
+    granularity threshold of the user's. See adapter/blockfetch.py."""
 
     strict: bool = False
     """Raise where z3guard cannot guard (a DeepSpeed whose internals fail the self-check, a guard that fails

@@ -4,6 +4,8 @@ checkpointing (as Hugging Face's gradient checkpointing runs a model's layers), 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from z3guard.scenarios.catalog import _token_batch
@@ -38,3 +40,35 @@ def non_reentrant() -> CheckpointedLM:
 
 
 batch = _token_batch
+
+
+class GatedBlock(nn.Module):
+    """A block whose extra projection runs on even steps only: parameters unused, on odd steps, inside a
+    block that runs."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.extra = nn.Linear(width, width)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return y + self.extra(y) if self.step % 2 == 0 else y
+
+
+class GatedLM(TinyLM):
+    def __init__(self):
+        super().__init__(vocab=VOCAB)
+        self.blocks = nn.ModuleList(GatedBlock(64) for _ in range(3))
+
+    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        for block in self.blocks:
+            block.step = step
+        return super().forward(tokens, step)
+
+
+def gated() -> GatedLM:
+    return GatedLM()
