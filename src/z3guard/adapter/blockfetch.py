@@ -18,8 +18,9 @@ hold parameters in at least two modules, hold no more parameters than the model'
 (stock gathers that one whole, with its full gradient: a block no larger gathers no more at once, so the
 memory peak does not rise; a block of 0.8B parameters beside 0.27B modules raised it 10% on one H200), fit
 in `stage3_max_live_parameters` (DeepSpeed's own bound on gathered parameters), and hold no container of
-modules (experts chosen per step: a leaf would fetch every expert, where ZeRO-3 fetches the ones that run). Nothing is marked where the user marked a leaf module or
-set `stage3_module_granularity_threshold`: the fetch granularity is theirs then.
+modules (experts chosen per step: a leaf would fetch every expert, where ZeRO-3 fetches the ones that run).
+Nothing is marked where the user marked a leaf module or set `stage3_module_granularity_threshold`: the
+fetch granularity is theirs then.
 """
 from __future__ import annotations
 
