@@ -77,6 +77,22 @@ def test_every_z3guard_command_shown_exists_and_every_command_is_shown():
     assert commands - shown == set(), f"commands the README does not show: {commands - shown}"
 
 
+def test_every_flag_shown_is_an_option_of_its_command():
+    import typer.main
+
+    from z3guard.cli import app
+
+    commands = typer.main.get_command(app).commands
+    checked = 0
+    for code in _code(README):
+        for command, rest in re.findall(r"^z3guard[ \t]+([a-z][\w-]*)(.*)$", code, re.M):
+            flags = {o for p in commands[command].params for o in (*p.opts, *p.secondary_opts)}
+            shown = set(re.findall(r"(?<!\S)(--[a-z][\w-]*)", rest.split("#")[0]))
+            assert shown <= flags, f"z3guard {command}: no such option {shown - flags}"
+            checked += len(shown)
+    assert checked
+
+
 def test_every_option_named_is_a_guard_options_field_and_every_setting_parses():
     known = {f.name for f in fields(GuardOptions)}
     settings = [next(filter(None, m)) for m in

@@ -80,24 +80,57 @@ class Launcher(str, Enum):
 
 
 def _check_scenario(scenario: str, model: str | None, batch: str | None, hidden: int,
-                    hf: Path | None = None) -> None:
-    """Resolve the scenario here, as the ranks will (`python -m` imports from the current directory), so
-    that a wrong name or factory is reported against its flag before any rank starts."""
+                    hf: Path | None = None, loss: str | None = None, layers: int | None = None,
+                    dtype: str = "fp16") -> None:
+    """Resolve the scenario here, as the ranks will (`python -m` imports from the current directory), and
+    call the user's functions once, so that a wrong name, signature or batch is reported against its flag
+    before any rank starts."""
     import os
     import sys
 
-    from .scenarios import catalog
+    from .scenarios import catalog, preflight
 
     here = os.getcwd()
     sys.path.insert(0, here)
     try:
-        catalog.resolve(scenario, model, batch, hidden, str(hf) if hf else None)
+        found = catalog.resolve(scenario, model, batch, hidden, str(hf) if hf else None, loss, layers)
+        preflight.check(found, dtype, model, batch, loss)
     except Exception as exc:  # whatever a user's module raises on import is about the flag that named it
-        flag = "--hf" if hf else None if model or batch else "--scenario"  # --model/--batch name themselves
+        flag = "--hf" if hf else None if model or batch or loss or layers else "--scenario"  # others name themselves
         raise typer.BadParameter(str(exc).strip('"'), param_hint=flag) from exc
     finally:
         if here in sys.path:
             sys.path.remove(here)
+
+
+def _user_config(path: Path | None, dtype: str, nproc: int) -> tuple[dict | None, str]:
+    """The user's DeepSpeed config (checked here, "auto" resolved in the ranks) and the precision it fixes,
+    else `dtype`."""
+    if path is None:
+        return None, dtype
+    from .scenarios import config
+
+    try:
+        cfg = config.load(str(path))
+        config.resolve_auto(512, dtype, 4, nproc, base=cfg)  # stage 3, every "auto" resolvable, batch sizes
+    except config.ConfigError as exc:
+        raise typer.BadParameter(str(exc).removeprefix(f"--config {path}: "), param_hint="--config") from exc
+    return cfg, config.config_dtype(cfg) or dtype
+
+
+def _print_failure(failure: dict) -> None:
+    """A run that failed for a reason other than the one under study: which, where, and its traceback."""
+    step = failure.get("step")
+    when = "while starting" if step in (None, 0) else f"at step {step}"
+    rank = "" if failure.get("rank") is None else f" (rank {failure['rank']})"
+    console.print(f"[red]run '{failure['run']}' failed {when}{rank}[/], for a reason other than a ZeRO-3 trace "
+                  f"hazard: {failure.get('exception')}: {failure.get('summary')}", soft_wrap=True)
+    if failure.get("user_frames"):
+        console.print("[bold]in your code[/] (innermost last):")
+        for frame in failure["user_frames"]:
+            console.print(f"  {frame}", soft_wrap=True, highlight=False)
+    console.print(failure.get("traceback", "").rstrip(), soft_wrap=True, highlight=False, markup=False)
+    console.print("[yellow]no conclusion is drawn from this run[/]; fix the cause and run again")
 
 
 @contextmanager
@@ -161,63 +194,93 @@ def repro(
     raise typer.Exit(0 if verdict.as_expected else 1)
 
 
+class Construct(str, Enum):
+    zero_init = "zero-init"
+    plain = "plain"
+
+
+CONFIG_HELP = "your DeepSpeed config (JSON; Trainer's \"auto\" values resolved as Trainer does); default: " \
+              "Hugging Face's ZeRO-3 example with CPU offload"
+INIT_HELP = "zero-init: build the model under deepspeed.zero.Init with the config, as Hugging Face does; " \
+            "plain: build it, then hand it to deepspeed.initialize"
+LOSS_HELP = "your loss, 'pkg.module:function' (output, target) -> loss; default: the model's own loss (a " \
+            "scalar or .loss), else cross-entropy of the logits"
+
+
 @app.command("verify-resume")
 def verify_resume(
     scenario: str = typer.Option("clip", help="built-in scenario (clip, tied, skip-block, side-read, ...)"),
     model: str = typer.Option(None, help="your model factory, 'pkg.module:function' (with --batch)"),
     batch: str = typer.Option(None, help="your batch factory (step, micro, rank, dtype) -> (args, kwargs, target)"),
+    loss: str = typer.Option(None, help=LOSS_HELP),
+    config: Path = typer.Option(None, help=CONFIG_HELP),
+    init: Construct = typer.Option(Construct.zero_init, help=INIT_HELP),
     hidden: int = typer.Option(512, help="hidden size for Trainer-style 'auto' ZeRO sizes (custom models)"),
     device: Device = typer.Option(Device.cpu),
-    dtype: Dtype = typer.Option(Dtype.fp16),
-    nproc: int = typer.Option(2),
+    dtype: Dtype = typer.Option(Dtype.fp16, help="where the config leaves it \"auto\""),
+    nproc: int = typer.Option(2, min=1, help="ranks"),
     steps: int = typer.Option(8, help="N: steps of the straight run"),
     save_after: int = typer.Option(4, help="K: the resumed run saves after K steps and resumes"),
     skip_at: list[int] = typer.Option([6], help="steps forced to skip (repeatable)"),
     guard: bool = typer.Option(True, help="--no-guard: the same comparison on stock DeepSpeed"),
+    json_out: Path = typer.Option(None, "--json", help="also write the verdict here as JSON"),
     out: Path = typer.Option(Path("runs/verify-resume")),
 ) -> None:
-    """Train N steps straight and as K + save + resume + (N-K); compare everything bit for bit."""
+    """Train N steps straight and as K + save + resume + (N-K); compare everything bit for bit.
+
+    Exit status: 0 bit-identical; 1 a difference (or a run stopped by a trace failure); 2 bad input;
+    3 a run failed for another reason."""
     from .scenarios import verify as v
 
     if not 0 < save_after < steps:
         raise typer.BadParameter(f"need 0 < --save-after < --steps (something to compare after the resume), "
                                  f"got --save-after {save_after}, --steps {steps}")
-    _check_scenario(scenario, model, batch, hidden)
+    ds_config, precision = _user_config(config, dtype.value, nproc)
+    _check_scenario(scenario, model, batch, hidden, loss=loss, dtype=precision)
 
-    plan = v.VerifyPlan(scenario=scenario, dtype=dtype.value, device=device.value, nproc=nproc, steps=steps,
+    plan = v.VerifyPlan(scenario=scenario, dtype=precision, device=device.value, nproc=nproc, steps=steps,
                         save_after=save_after, skip_at=tuple(skip_at), guard=guard, model=model, batch=batch,
-                        hidden=hidden, out=out)
+                        loss=loss, hidden=hidden, out=out, ds_config=ds_config, construct=init.value)
     label = f"{model}+{batch}" if model else scenario
-    console.print(f"[bold]z3guard verify-resume[/]: {label}, {dtype.value}, {nproc} ranks on {device.value}, "
+    console.print(f"[bold]z3guard verify-resume[/]: {label}, {precision}, {nproc} ranks on {device.value}, "
                   f"{steps} steps straight vs {save_after} + save + resume; skipped steps {list(skip_at)}"
                   f"{'' if guard else ' (stock DeepSpeed, no z3guard)'}")
     with _tracking(steps) as on_progress:
         result = v.run(plan, on_progress)
-    if result.crash:
+    if json_out:
+        json_out.write_text(json.dumps(result.to_dict(), indent=1))
+    if result.failure:
+        _print_failure(result.failure)
+    elif result.crash:
         crash = result.crash
         console.print(f"[red]a run did not complete[/]: {crash.get('summary') or crash['message'].strip()}")
-        raise typer.Exit(1)
-    table = Table(title="Compared")
-    table.add_column("what")
-    for item in result.checked:
-        table.add_row(item)
-    console.print(table)
-    if result.identical:
-        console.print(f"[green]bit-identical[/] ({result.seconds:.0f} s)")
-        raise typer.Exit(0)
-    console.print(f"[red]first divergence[/]: {result.difference}")
-    raise typer.Exit(1)
+    else:
+        table = Table(title="Compared")
+        table.add_column("what")
+        for item in result.checked:
+            table.add_row(item)
+        console.print(table)
+        console.print(f"[green]bit-identical[/] ({result.seconds:.0f} s)" if result.identical
+                      else f"[red]first divergence[/]: {result.difference}")
+    raise typer.Exit(result.status)
 
 
 @app.command("check-checkpoint")
 def check_checkpoint(
     path: Path = typer.Argument(..., help="a save folder (with 'latest') or one checkpoint's folder"),
     tag: str = typer.Option(None, help="a tag inside PATH instead of the one 'latest' names"),
+    json_out: Path = typer.Option(None, "--json", help="also write the verdict here as JSON"),
 ) -> None:
-    """Show what a checkpoint holds and whether it verifies against its manifest."""
+    """Show what a checkpoint holds and whether it verifies against its manifest (exit 0 if it does)."""
+    from dataclasses import asdict
+
     from .checkpoint.inspect import inspect
 
     found = inspect(path, tag)
+    if json_out:
+        json_out.write_text(json.dumps({"folder": str(found.folder), "ok": found.ok, "verdict": found.verdict,
+                                        "manifest": None if found.manifest is None else vars(found.manifest),
+                                        "files": [asdict(f) for f in found.files]}, indent=1, default=str))
     m = found.manifest
     if m is not None:
         head = Table(title=f"{found.folder}", show_header=False)
@@ -240,22 +303,38 @@ def doctor(
     scenario: str = typer.Option("clip", help="a built-in scenario (clip, mlp, tied, skip-block, side-read, twice)"),
     model: str = typer.Option(None, help="your model factory, 'pkg.module:function' (with --batch)"),
     batch: str = typer.Option(None, help="your batch factory (step, micro, rank, dtype) -> (args, kwargs, target)"),
+    loss: str = typer.Option(None, help=LOSS_HELP),
     hf: Path = typer.Option(None, help="a local Hugging Face config/model folder (causal LM, built from config)"),
+    layers: int = typer.Option(None, min=1, help="with --hf: build this many of its layers (they repeat the "
+                                                 "same hazards)"),
+    config: Path = typer.Option(None, help=CONFIG_HELP),
+    init: Construct = typer.Option(Construct.zero_init, help=INIT_HELP),
     hidden: int = typer.Option(512, help="hidden size for Trainer-style 'auto' ZeRO sizes (custom models)"),
-    nproc: int = typer.Option(2, help="ranks (1 or 2)"),
+    dtype: Dtype = typer.Option(Dtype.fp16, help="where the config leaves it \"auto\""),
+    nproc: int = typer.Option(2, min=1, help="ranks"),
     verify: bool = typer.Option(False, help="re-run stock DeepSpeed with the suggested changes applied"),
     json_out: Path = typer.Option(None, "--json", help="also write the report here"),
     out: Path = typer.Option(Path("runs/doctor")),
 ) -> None:
-    """Find the ZeRO-3 trace hazards in a model: names, causes, what crashes stock, and the fixes."""
+    """Find the ZeRO-3 trace hazards in a model: names, causes, what crashes stock, and the fixes.
+
+    Exit status: 0 no hazards; 1 hazards found (or stock crashed, or the guarded run did not complete);
+    2 bad input; 3 a run failed for a reason other than a trace hazard."""
     from . import doctor as d
 
-    _check_scenario(scenario, model, batch, hidden, hf)
+    ds_config, precision = _user_config(config, dtype.value, nproc)
+    _check_scenario(scenario, model, batch, hidden, hf, loss, layers, precision)
 
-    plan = d.DoctorPlan(scenario=scenario, model=model, batch=batch, hf_path=str(hf) if hf else None,
-                        hidden=hidden, nproc=nproc, verify=verify, out=out)
+    plan = d.DoctorPlan(scenario=scenario, model=model, batch=batch, loss=loss, hf_path=str(hf) if hf else None,
+                        layers=layers, hidden=hidden, nproc=nproc, dtype=precision, ds_config=ds_config,
+                        construct=init.value, verify=verify, out=out)
     with _tracking(7) as on_progress:
         report = d.run(plan, on_progress)
+    if json_out:
+        json_out.write_text(json.dumps(report.to_dict(), indent=1))
+    if report.failure:
+        _print_failure(report.failure)
+        raise typer.Exit(report.status)
     console.print(f"[bold]z3guard doctor[/]: {report.label}")
     stock = Table(title="stock DeepSpeed ZeRO-3 on this model")
     stock.add_column("event")
@@ -263,8 +342,10 @@ def doctor(
     for event, outcome in report.stock.items():
         stock.add_row(event, outcome if outcome == "ok" else f"[red]{outcome}[/]")
     console.print(stock)
-    if not report.hazards:
+    if report.status == 0:
         console.print("[green]no ZeRO-3 trace hazards found[/]")
+    elif not report.hazards:
+        console.print("[red]no hazard could be named, yet a run above did not complete[/]")
     else:
         table = Table(title="hazards", show_lines=True)
         for col in ("kind", "module", "parameters", "crashes stock on", "z3guard"):
@@ -283,9 +364,9 @@ def doctor(
     if report.verified is not None:
         console.print("[green]verified[/]: with the suggested register_external_parameter calls stock DeepSpeed "
                       "no longer crashes" if report.verified else "[red]not verified[/]: stock still crashes")
-    if json_out:
-        json_out.write_text(json.dumps(report.to_dict(), indent=1))
-    raise typer.Exit(0 if report.z3guard_completed and report.verified is not False else 1)
+    if not report.z3guard_completed:
+        console.print("[red]the guarded run did not complete[/]: see the log under " + str(out / "observe"))
+    raise typer.Exit(report.status)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,14 @@ class DoctorPlan:
     scenario: str = "clip"
     model: str | None = None
     batch: str | None = None
+    loss: str | None = None  # "pkg.module:function" (output, target) -> loss
     hf_path: str | None = None
+    layers: int | None = None  # with hf_path: this many of its layers
     hidden: int = 512
     nproc: int = 2
     dtype: str = "fp16"
+    ds_config: dict[str, Any] | None = None  # the user's DeepSpeed config; None: Hugging Face's ZeRO-3 example
+    construct: str = "zero-init"  # as Hugging Face builds ZeRO-3 models; "plain": built, then handed over
     verify: bool = False
     out: Path = Path("runs/doctor")
 
@@ -49,10 +53,22 @@ class Report:
     stock: dict[str, str]  # event -> "ok" or the crash's first line
     verified: bool | None
     z3guard_completed: bool
+    module_counts: dict[str, int] = field(default_factory=dict)  # appearances per forward+backward trace
+    failure: dict[str, Any] | None = None  # a run that failed for another reason: no conclusion drawn
+
+    @property
+    def status(self) -> int:
+        """0: no hazards; 1: hazards (or stock crashed, or the guarded run did not complete); 3: a run
+        failed for a reason other than a trace hazard. (2, bad input, is refused before any run.)"""
+        if self.failure is not None:
+            return 3
+        clean = not self.hazards and set(self.stock.values()) <= {"ok"} and self.z3guard_completed
+        return 0 if clean and self.verified is not False else 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.label, "hazards": [asdict(h) for h in self.hazards], "stock": self.stock,
-                "verified": self.verified, "z3guard_completed": self.z3guard_completed}
+        return {"model": self.label, "status": self.status, "hazards": [asdict(h) for h in self.hazards],
+                "stock": self.stock, "verified": self.verified, "z3guard_completed": self.z3guard_completed,
+                "module_counts": self.module_counts, "failure": self.failure}
 
 
 EVENTS = {"stock-skip": "resume + skipped step", "stock-gathered": "resume + GatheredParameters",
@@ -62,12 +78,18 @@ EVENTS = {"stock-skip": "resume + skipped step", "stock-gathered": "resume + Gat
 def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None) -> Report:
     shutil.rmtree(plan.out, ignore_errors=True)
     ckpt = str(plan.out / "checkpoint")
-    common = dict(scenario=plan.scenario, model=plan.model, batch=plan.batch, hf_path=plan.hf_path,
-                  hidden=plan.hidden, dtype=plan.dtype)
+    common = dict(scenario=plan.scenario, model=plan.model, batch=plan.batch, loss=plan.loss, hf_path=plan.hf_path,
+                  layers=plan.layers, hidden=plan.hidden, dtype=plan.dtype, ds_config=plan.ds_config,
+                  construct=plan.construct)
+    label = plan.hf_path or (f"{plan.model}" if plan.model else plan.scenario)
+    if plan.layers:
+        label += f" ({plan.layers} layers)"
     # observed module by module, as stock ZeRO-3 fetches: a read inside a block fetched whole is a hazard still
     first = run_jobs([Job("observe", guard=True, steps=4, events={"2": ["eval"]}, save_at=[4], save_dir=ckpt,
                           options={"warn": False, "fast_block_fetch": False}, **common)],
                      plan.out / "observe", nproc=plan.nproc, on_progress=on_progress)
+    if failure := first.failure("observe"):
+        return Report(label, [], {}, None, False, failure=failure)
     seen = first.result("observe")
     pairs = sorted({(r["module"], r["param"]) for r in seen.get("reads", [])})
     stock = [Job("stock-skip", steps=7, skip_at=[6], load_dir=ckpt, **common),
@@ -79,15 +101,17 @@ def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None)
                   Job("verify-gathered", steps=7, events={"5": ["gathered"]}, load_dir=ckpt, register=register,
                       **common)]
     second = run_jobs(stock, plan.out / "stock", nproc=plan.nproc, on_progress=on_progress)
+    for job in stock:
+        if failure := second.failure(job.name):
+            return Report(label, [], {}, None, seen["crash"] is None, failure=failure)
     results = {j.name: second.result(j.name) for j in stock}
     outcome = {name: _outcome(r) for name, r in results.items()}
     hazards = _hazards(seen, pairs, {k: results[k].get("crash") for k in EVENTS})
     verified = None
     if plan.verify:
         verified = outcome["verify-skip"] == "ok" and outcome["verify-gathered"] == "ok"
-    label = plan.hf_path or (f"{plan.model}" if plan.model else plan.scenario)
     return Report(label, hazards, {EVENTS[k]: v for k, v in outcome.items() if k in EVENTS}, verified,
-                  seen["crash"] is None and "load_error" not in seen)
+                  seen["crash"] is None and "load_error" not in seen, seen.get("module_counts", {}))
 
 
 def _outcome(result: dict) -> str:

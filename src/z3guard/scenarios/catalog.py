@@ -1,6 +1,7 @@
 """Named scenarios: a model, its batches and its loss, everything a rank needs to train it."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,8 +26,17 @@ class Scenario:
     # (reading module, parameter) pairs read across modules: what a stock user would have to
     # pass to deepspeed.zero.register_external_parameter, the documented workaround.
     reads: tuple[tuple[str, str], ...] = ()
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # the user's (output, target) -> loss
 
-    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        """The user's loss function if given; else the model's own loss (a scalar output, or an output's
+        `.loss` as Hugging Face models return with labels); else cross-entropy of the logits."""
+        if self.loss_fn is not None:
+            return self.loss_fn(out, target)
+        if getattr(out, "loss", None) is not None:
+            return out.loss
+        if torch.is_tensor(out) and out.dim() == 0:
+            return out
         out = getattr(out, "logits", out)  # Hugging Face models return an output object
         return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
@@ -110,14 +120,25 @@ def _import(spec: str, flag: str) -> Callable:
     return factory
 
 
-def hf_causal_lm(path: str) -> Scenario:
+def hf_causal_lm(path: str, layers: int | None = None) -> Scenario:
     """A local Hugging Face config (or model) folder, built from its config (no weights, no downloads),
-    with random token batches."""
+    with random token batches. `layers`: that many of its decoder layers, which repeat the same hazards,
+    so that a 70B config can be examined on CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not Path(path).is_dir():
         raise ValueError(f"--hf {path}: not a folder; expected a local Hugging Face config or model folder")
     config = AutoConfig.from_pretrained(path)
+    if layers is not None:
+        total = getattr(config, "num_hidden_layers", None)
+        if not isinstance(total, int):
+            raise ValueError(f"--layers {layers}: {path}/config.json has no num_hidden_layers to cut")
+        if not 0 < layers <= total:
+            raise ValueError(f"--layers {layers}: expected 1 to {total}, the layers {path}/config.json has")
+        config.num_hidden_layers = layers
+        for name in ("layer_types", "mlp_only_layers"):  # per-layer lists some configs keep in step
+            if isinstance(getattr(config, name, None), list) and len(getattr(config, name)) == total:
+                setattr(config, name, getattr(config, name)[:layers])
     vocab = config.vocab_size
 
     def make_batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> Batch:
@@ -129,16 +150,23 @@ def hf_causal_lm(path: str) -> Scenario:
 
 
 def resolve(name: str, model: str | None = None, batch: str | None = None, hidden: int = 512,
-            hf_path: str | None = None) -> Scenario:
+            hf_path: str | None = None, loss: str | None = None, layers: int | None = None) -> Scenario:
     """A built-in scenario by name, a local Hugging Face folder, or one made of a user's own factories:
-    `model` returns an nn.Module; `batch(step, micro, rank, dtype)` returns (args, kwargs, target)."""
+    `model` returns an nn.Module; `batch(step, micro, rank, dtype)` returns (args, kwargs, target);
+    `loss(output, target)` returns the loss (default: see `Scenario.loss`)."""
+    if layers is not None and not hf_path:
+        raise ValueError("--layers applies to --hf (a Hugging Face config) only")
     if hf_path:
-        return hf_causal_lm(hf_path)
-    if model is None and batch is None:
-        return get(name)
-    if model is None or batch is None:
+        scenario = hf_causal_lm(hf_path, layers)
+    elif model is None and batch is None:
+        scenario = get(name)
+    elif model is None or batch is None:
         raise ValueError("a custom scenario needs both --model (the model factory) and --batch (the batch factory)")
-    return Scenario(f"{model}+{batch}", _import(model, "--model"), _import(batch, "--batch"), hidden=hidden)
+    else:
+        scenario = Scenario(f"{model}+{batch}", _import(model, "--model"), _import(batch, "--batch"), hidden=hidden)
+    if loss is not None:
+        scenario = dataclasses.replace(scenario, loss_fn=_import(loss, "--loss"))
+    return scenario
 
 
 def get(name: str) -> Scenario:

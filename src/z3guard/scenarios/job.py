@@ -12,6 +12,7 @@ import torch
 
 from ..checkpoint.errors import CheckpointError
 from . import catalog
+from .failure import Crash
 from .config import merge, resolve_auto
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -50,6 +51,10 @@ class Job:
     model: str | None = None  # "pkg.module:function" factories for a user's own model and batches
     batch: str | None = None
     hidden: int = 512
+    loss: str | None = None  # "pkg.module:function" (output, target) -> loss, for a model with no loss of its own
+    layers: int | None = None  # with hf_path: build the model from its config with this many layers
+    ds_config: dict[str, Any] | None = None  # the user's DeepSpeed config (Trainer's "auto" allowed), else HF's
+    construct: str = "plain"  # "zero-init": build the model under deepspeed.zero.Init, as Hugging Face does
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Job":
@@ -59,38 +64,42 @@ class Job:
         return asdict(self)
 
 
-@dataclass
-class Crash:
-    step: int
-    message: str
-    module: str | None
-    params: list[str]
-    summary: str
-
-    @classmethod
-    def parse(cls, step: int, exc: BaseException, module_paths: dict[int, str]) -> "Crash":
-        text = str(exc)
-        mod = re.search(r"module id: (\d+)", text)
-        expected = text.split("but got")[0]
-        names = sorted(set(re.findall(r"name=(\S+?) id=", expected)))
-        got = sorted(set(re.findall(r"name=(\S+?) id=", text.split("but got")[-1])))
-        count = re.search(r"expected the next (\d+) parameters", text)
-        summary = text.strip().splitlines()[0]
-        if count:
-            summary += (f" expected the next {count.group(1)} parameters in the parameter fetch queue"
-                        f" but got ({', '.join(got)})")
-        return cls(step, text, module_paths.get(int(mod.group(1))) if mod else None, names, summary)
-
-
 def build_config(job: Job, scenario: catalog.Scenario, world: int) -> dict[str, Any]:
-    cfg = resolve_auto(scenario.hidden, job.dtype, scenario.micro_batch, world, job.grad_accum)
-    cfg["scheduler"] = {"type": "WarmupLR",
-                        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 5}}
-    return merge(merge(cfg, scenario.config), job.config)
+    """The user's config with "auto" resolved, or Hugging Face's example with the scenario's overrides; then
+    the job's own."""
+    if job.ds_config is not None:
+        cfg = resolve_auto(scenario.hidden, job.dtype, scenario.micro_batch, world, job.grad_accum,
+                           base=job.ds_config, total_steps=job.steps)
+    else:
+        cfg = merge(resolve_auto(scenario.hidden, job.dtype, scenario.micro_batch, world, job.grad_accum),
+                    scenario.config)
+    cfg.setdefault("scheduler", {"type": "WarmupLR",
+                                 "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 5}})
+    return merge(cfg, job.config)
+
+
+def build_model(job: Job, scenario: catalog.Scenario, config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """The model as the user's job builds it. Under "zero-init", a Hugging Face model is built by
+    transformers itself while an `HfDeepSpeedConfig` lives (as Trainer does; it is returned, to be kept
+    alive), any other inside `deepspeed.zero.Init` with the job's config: parameters and buffers are made
+    in the training dtype and partitioned as they are created."""
+    if job.construct == "plain":
+        return scenario.make_model(), None
+    if job.construct != "zero-init":
+        raise ValueError(f"construct: expected 'plain' or 'zero-init', got {job.construct!r}")
+    if scenario.name.startswith("hf:"):
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(config)
+        return scenario.make_model(), keep
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return scenario.make_model(), None
 
 
 def gathered_state(engine) -> dict[str, torch.Tensor]:
-    """Full fp32 master weights and model-dtype weights, by parameter name (collective).
+    """Full fp32 master weights and model-dtype weights by parameter name (collective), and buffers.
 
     One parameter per gather: DeepSpeed 0.14's coalesced gather waits for the last of its gloo
     all-gathers only (`_allgather_params_coalesced`; fixed by 0.19), so on CPU a gather of several
@@ -103,6 +112,8 @@ def gathered_state(engine) -> dict[str, torch.Tensor]:
         out[f"master/{name}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
         with deepspeed.zero.GatheredParameters([p]):
             out[f"weight/{name}"] = p.detach().cpu().clone()
+    for name, b in engine.module.named_buffers():  # BatchNorm's running statistics, say (this rank's)
+        out[f"buffer/{name}"] = b.detach().cpu().clone()
     return out
 
 
@@ -110,16 +121,16 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     """Train per `job`; returns losses, skipped steps, the crash if any, and the final state."""
     import deepspeed
 
-    scenario = catalog.resolve(job.scenario, job.model, job.batch, job.hidden, job.hf_path)
+    scenario = catalog.resolve(job.scenario, job.model, job.batch, job.hidden, job.hf_path, job.loss, job.layers)
     dtype = DTYPES[job.dtype]
     random.seed(job.seed)
     np.random.seed(job.seed)
     torch.manual_seed(job.seed)
-    model = scenario.make_model()
+    config = build_config(job, scenario, world)
+    model, hf_config = build_model(job, scenario, config)
     for reader, param in (list(scenario.reads) if job.preregister else []) + [tuple(p) for p in job.register]:
         deepspeed.zero.register_external_parameter(model.get_submodule("" if reader == "<root>" else reader),
                                                    model.get_parameter(param))
-    config = build_config(job, scenario, world)
     # An "optimizer" block in the config lets DeepSpeed build its own (DeepSpeedCPUAdam with offload).
     optimizer = None if "optimizer" in config else torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
@@ -203,8 +214,13 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                     result.setdefault("gpu_allocated", {})[str(step)] = torch.cuda.memory_allocated()
                     result.setdefault("gpu_reserved", {})[str(step)] = torch.cuda.memory_reserved()
             on_step(job.name, step)
-    except RuntimeError as exc:  # the failure under study; anything else propagates
-        result["crash"] = asdict(Crash.parse(step, exc, paths))
+    except Exception as exc:  # the trace failure under study, or another (reported, then the worker stops)
+        crash = Crash.parse(step, exc, paths)
+        result["crash"] = asdict(crash)
+        if not crash.related:
+            result["fatal"] = True
+            engine.destroy()
+            return result
     # Reads the scenario model saw handed an unfilled, still-gathering parameter (a race on its contents).
     result["inflight_reads"] = sum(getattr(m, "inflight_reads", 0) for m in engine.module.modules())
     result["data_read_steps"] = sorted({s for m in engine.module.modules() for s in getattr(m, "data_read_steps", ())})
@@ -235,6 +251,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["lr"] = [float(x) for x in engine.get_lr()]
         result["rng"] = _consume_rng()
     engine.destroy()
+    del hf_config  # transformers' ZeRO-3 switch stays on while the job runs
     return result
 
 

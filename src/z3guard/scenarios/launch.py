@@ -32,6 +32,21 @@ class Launch:
                               + self.log[-4000:])
         return json.loads(path.read_text())
 
+    def failure(self, job: str) -> dict | None:
+        """Why `job` tells nothing: a rank's crash other than the trace failure under study (with its step
+        and traceback), or a rank that left no result (with the log's tail); None when it ran or failed as
+        studied."""
+        found = sorted(self.out.glob(f"{job}.rank*.json"))
+        for path in found:
+            crash = json.loads(path.read_text()).get("crash")
+            if crash and not crash.get("related", True):
+                return {"run": job, "rank": int(path.stem.rsplit("rank", 1)[1]), **crash}
+        if not found:
+            return {"run": job, "rank": None, "step": None, "exception": "no result",
+                    "summary": f"the ranks ended (exit {self.returncode}) before this run reported",
+                    "user_frames": [], "traceback": self.log[-4000:]}
+        return None
+
     def state(self, job: str):
         import torch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ def main(spec_path: str) -> int:
     import torch.distributed as dist
 
     from . import job as jobs
+    from .failure import Crash
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
@@ -53,7 +55,11 @@ def main(spec_path: str) -> int:
             (out / f"{job.name}.rank{rank}.json").write_text(json.dumps(result))
             on_step(job.name, -1)
             continue
-        result = jobs.run(job, rank, world, on_step)
+        try:
+            result = jobs.run(job, rank, world, on_step)
+        except Exception as exc:  # while building the model or the engine, or loading: reported, then stop
+            result = {"job": job.name, "losses": {}, "skipped": [], "fatal": True,
+                      "crash": asdict(Crash.parse(0, exc))}
         state = result.pop("state", None)
         optim = result.pop("optimizer", None)
         if state is not None and rank == 0:
@@ -62,6 +68,8 @@ def main(spec_path: str) -> int:
             torch.save(optim, out / f"{job.name}.optim.rank{rank}.pt")
         (out / f"{job.name}.rank{rank}.json").write_text(json.dumps(result, indent=1))
         on_step(job.name, -1)
+        if result.get("fatal"):
+            return 1  # the launcher ends the other ranks; the jobs after this one do not run
     _set_guard(False)
     dist.barrier()
     dist.destroy_process_group()
