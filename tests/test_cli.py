@@ -67,6 +67,8 @@ def test_auto_values_resolve_as_trainer_resolves_them(tmp_path):
      "torch.nn.Module"),
     (["doctor", *USER("resnet_pool", "images"), "--loss", "tests.scripts.user_models:resnet_pool"],
      "--loss tests.scripts.user_models:resnet_pool: expected a function (output, target) -> loss"),
+    (["doctor", *USER("unbuildable", "images")], "--model tests.scripts.user_models:unbuildable raised "
+     "RuntimeError: Trying to create tensor with negative dimension -1"),
     (["doctor", "--layers", "2"], "--layers applies to --hf"),
     (["doctor", "--nproc", "0"], "--nproc"),
     (["doctor", "--config", "/no/such/ds_config.json"], "--config: cannot read it"),

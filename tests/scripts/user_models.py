@@ -70,6 +70,10 @@ def broken() -> nn.Module:
     return Broken()
 
 
+def unbuildable() -> nn.Module:
+    return nn.Linear(IMAGE, -1)
+
+
 def images(step: int, micro: int, rank: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(1_000_003 * step + 1_009 * micro + rank)
     batch = torch.randn(4, 3, IMAGE, IMAGE, generator=g).to(dtype)
