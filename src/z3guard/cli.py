@@ -219,6 +219,8 @@ def verify_resume(
     device: Device = typer.Option(Device.cpu),
     dtype: Dtype = typer.Option(Dtype.fp16, help="where the config leaves it \"auto\""),
     nproc: int = typer.Option(2, min=1, help="ranks"),
+    resume_ranks: int = typer.Option(None, min=1, help="resume on this many ranks instead: the state after the "
+                                                      "load bit for bit, the losses after it within a tolerance"),
     steps: int = typer.Option(8, help="N: steps of the straight run"),
     save_after: int = typer.Option(4, help="K: the resumed run saves after K steps and resumes"),
     skip_at: list[int] = typer.Option([6], help="steps forced to skip (repeatable)"),
@@ -240,7 +242,8 @@ def verify_resume(
 
     plan = v.VerifyPlan(scenario=scenario, dtype=precision, device=device.value, nproc=nproc, steps=steps,
                         save_after=save_after, skip_at=tuple(skip_at), guard=guard, model=model, batch=batch,
-                        loss=loss, hidden=hidden, out=out, ds_config=ds_config, construct=init.value)
+                        loss=loss, hidden=hidden, out=out, ds_config=ds_config, construct=init.value,
+                        resume_ranks=resume_ranks)
     label = f"{model}+{batch}" if model else scenario
     console.print(f"[bold]z3guard verify-resume[/]: {label}, {precision}, {nproc} ranks on {device.value}, "
                   f"{steps} steps straight vs {save_after} + save + resume; skipped steps {list(skip_at)}"
@@ -260,7 +263,14 @@ def verify_resume(
         for item in result.checked:
             table.add_row(item)
         console.print(table)
-        console.print(f"[green]bit-identical[/] ({result.seconds:.0f} s)" if result.identical
+        if result.losses:
+            losses = Table("step", f"loss, {nproc} ranks straight", f"loss, resumed on {resume_ranks}", "relative",
+                           title="after the resume (global batch)")
+            for step, a, b in result.losses:
+                losses.add_row(str(step), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b) / abs(a):.1e}")
+            console.print(losses)
+        same = "bit-identical" if result.tolerance is None else "state bit-identical, losses within tolerance"
+        console.print(f"[green]{same}[/] ({result.seconds:.0f} s)" if result.identical
                       else f"[red]first divergence[/]: {result.difference}")
     raise typer.Exit(result.status)
 

@@ -14,7 +14,7 @@ import deepspeed
 from deepspeed.runtime.zero import parameter_offload as _po
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
-from . import blockfetch, speedpaths
+from . import blockfetch, reshard, speedpaths
 from .base import EngineHook, ReadHook, TraceHooks
 from .coordinator import P, z3_leaf_module
 from .lifecycle import Lifecycle
@@ -183,6 +183,22 @@ class ZeroAdapter:
                 del writer.save
             else:
                 writer.save = shadowed
+
+    # -- a checkpoint saved on another number of ranks (reshard.py) -------------------------
+    def saved_layout(self, folder: Any) -> Any:
+        return reshard.read_layout(folder)
+
+    def reshard_problems(self, layout: Any, engine: Any, names: dict[int, str]) -> list[str]:
+        missing = [n for n in ("_get_ckpt_name", "_load_zero_checkpoint", "zero_load_from_fp32_weights")
+                   if not hasattr(engine, n)]
+        missing += [n for n in ("fp16_groups", "fp32_partitioned_groups_flat", "dp_process_group")
+                    if not hasattr(engine.optimizer, n)]
+        if missing:
+            return [f"this DeepSpeed lacks {', '.join(missing)}, which re-partitioning reads"]
+        return reshard.problems(layout, engine, names)
+
+    def resharding(self, engine: Any, layout: Any) -> Any:
+        return reshard.loading_from(engine, layout)
 
     def saves_asynchronously(self, engine: Any) -> bool:
         """A decoupled checkpoint engine (0.19) writes, and writes `latest`, after `save_checkpoint` returns."""

@@ -120,6 +120,27 @@ class CheckpointGuard:
             raise errors[0]
 
     # -- load --------------------------------------------------------------------------------
+    def _other_world(self, folder: Path) -> Any:
+        """The saved layout, when `folder` was saved on another number of ranks and can be re-partitioned
+        here (every rank agrees, or all raise CheckpointError naming why not); None when saved on this many."""
+        saved = _saved_world(folder) if self.engine.zero_optimization_stage() == 3 else None
+        if saved is None or saved == dist.world():
+            return None
+        layout, problem = None, None
+        try:
+            layout = self.adapter.saved_layout(folder)
+            names = {id(p): n for n, p in self.engine.module.named_parameters()}
+            found = self.adapter.reshard_problems(layout, self.engine, names)
+            if found:
+                problem = (f"{folder}: saved on {saved} ranks, loading on {dist.world()}: " + "; ".join(found)
+                           + f". Or convert it with DeepSpeed's universal checkpoint (python -m "
+                           f"deepspeed.checkpoint.ds_to_universal --input_folder {folder} --output_folder OUT).")
+        except CheckpointError as exc:
+            problem = str(exc)
+        dist.raise_if_any(problem, CheckpointError)
+        log.warning("z3guard: %s was saved on %d ranks; re-partitioning it for %d", folder, saved, dist.world())
+        return layout
+
     def load(self, load_dir: str, tag: Any = None, **kwargs: Any):
         root = Path(load_dir)
         if tag is None:
@@ -144,24 +165,39 @@ class CheckpointGuard:
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: no such checkpoint folder (tag {tag!r}); checkpoints in {root}: "
                                   f"{_checkpoint_tags(root) or 'none'}.")
+        layout = self._other_world(folder)
         if (folder / manifest.MANIFEST).exists():
             problem = None
             try:
-                manifest.verify(folder, world_size=dist.world(), zero_stage=self.engine.zero_optimization_stage(),
-                                dtype=self.dtype())
+                manifest.verify(folder, world_size=None if layout else dist.world(),
+                                zero_stage=self.engine.zero_optimization_stage(), dtype=self.dtype())
             except CheckpointError as exc:
                 problem = str(exc)
             dist.raise_if_any(problem, CheckpointError)
         else:
             log.warning("z3guard: %s has no %s (written without z3guard): loading it unverified",
                         folder, manifest.MANIFEST)
-        result = self._load(str(root), tag=tag, **kwargs)
-        saved = state.load(folder)
+        if layout is None:
+            result = self._load(str(root), tag=tag, **kwargs)
+        else:
+            with self.adapter.resharding(self.engine, layout):
+                result = self._load(str(root), tag=tag, **kwargs)
+        saved = state.load(folder, layout.world if layout else None)
         if saved is not None and not kwargs.get("load_module_only"):  # a warm start keeps this run's streams
             state.restore(saved)
             self.data_position = saved.get("data_position")
             self.resumed_state = saved
         return result
+
+
+def _saved_world(folder: Path) -> int | None:
+    """The number of ranks a checkpoint was saved on: its manifest's, else DeepSpeed's own record."""
+    if (folder / manifest.MANIFEST).exists():
+        return manifest.Manifest.read(folder).world_size
+    states = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if states.is_file():
+        return int(torch.load(states, map_location="cpu", weights_only=False).get("dp_world_size", 0)) or None
+    return None
 
 
 def _agreed(action: Callable[[], Any], rank0: bool = False) -> None:

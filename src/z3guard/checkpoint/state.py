@@ -37,6 +37,8 @@ def restore(state: dict[str, Any]) -> None:
             torch.cuda.current_device() < len(cuda) else None
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda)
+    elif state.get("cuda_seed") is not None and torch.cuda.is_available():
+        torch.cuda.manual_seed(state["cuda_seed"])
 
 
 def path(folder: Path, rank: int | None = None) -> Path:
@@ -47,7 +49,29 @@ def save(folder: Path, state: dict[str, Any]) -> None:
     torch.save(state, path(folder))
 
 
-def load(folder: Path) -> dict[str, Any] | None:
-    p = path(folder)
+def load(folder: Path, saved_world: int | None = None) -> dict[str, Any] | None:
+    """This rank's saved state. From a checkpoint saved on `saved_world` other ranks: rank r takes saved
+    rank r's streams, and a rank r >= saved_world those of saved rank r mod saved_world, each generator
+    then re-seeded from one draw of its own and r (distinct, and the same on every resume)."""
+    r = dist.rank()
+    source = r if saved_world is None else r % saved_world
+    p = path(folder, source)
     # Our own file (RNG tuples and numpy arrays), verified by the manifest before this point.
-    return torch.load(p, weights_only=False) if p.exists() else None
+    state = torch.load(p, weights_only=False) if p.exists() else None
+    if state is not None and source != r:
+        state = _derived(state, r)
+    return state
+
+
+def _derived(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """`state`'s streams, each re-seeded from its next draw and `rank`; CUDA's from torch's new seed + 1."""
+    py, npr, gen = random.Random(), np.random.RandomState(), torch.Generator()
+    py.setstate(state["python_rng"])
+    npr.set_state(state["numpy_rng"])
+    gen.set_state(state["torch_rng"])
+    py.seed(f"{py.getrandbits(64)}:{rank}", version=2)
+    npr.seed([int(npr.randint(2**31)), rank])
+    seed = int(torch.randint(2**62, (1,), generator=gen)) + rank
+    gen.manual_seed(seed)
+    return {**state, "python_rng": py.getstate(), "numpy_rng": npr.get_state(), "torch_rng": gen.get_state(),
+            "cuda_rng": None, "cuda_seed": seed + 1 if state.get("cuda_rng") is not None else None}

@@ -55,6 +55,11 @@ class Job:
     layers: int | None = None  # with hf_path: build the model from its config with this many layers
     ds_config: dict[str, Any] | None = None  # the user's DeepSpeed config (Trainer's "auto" allowed), else HF's
     construct: str = "plain"  # "zero-init": build the model under deepspeed.zero.Init, as Hugging Face does
+    # the global batch as micro-batch slots rank * grad_accum + micro, so that runs on different numbers of
+    # ranks (grad_accum = slots / ranks) train on the same data; losses then also as the global mean
+    global_batches: bool = False
+    moments: bool = False  # the gathered state holds every parameter's full Adam moments too
+    state_after_load: bool = False  # keep the gathered state right after load_checkpoint as well
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Job":
@@ -98,7 +103,7 @@ def build_model(job: Job, scenario: catalog.Scenario, config: dict[str, Any]) ->
         return scenario.make_model(), None
 
 
-def gathered_state(engine) -> dict[str, torch.Tensor]:
+def gathered_state(engine, moments: bool = False) -> dict[str, torch.Tensor]:
     """Full fp32 master weights and model-dtype weights by parameter name (collective), and buffers.
 
     One parameter per gather: DeepSpeed 0.14's coalesced gather waits for the last of its gloo
@@ -114,6 +119,12 @@ def gathered_state(engine) -> dict[str, torch.Tensor]:
             out[f"weight/{name}"] = p.detach().cpu().clone()
     for name, b in engine.module.named_buffers():  # BatchNorm's running statistics, say (this rank's)
         out[f"buffer/{name}"] = b.detach().cpu().clone()
+    if moments:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        for name, p in engine.module.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
     return out
 
 
@@ -147,6 +158,10 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
             engine.destroy()
             return result
         start = int((client or {}).get("step", engine.global_steps))
+        if job.state_after_load:
+            result["loaded_state"] = gathered_state(engine, job.moments)
+            scaler = getattr(engine.optimizer, "loss_scaler", None)
+            result["loaded_scale"] = float(getattr(scaler, "cur_scale", 1.0))
         if job.guard:
             import z3guard
 
@@ -156,14 +171,18 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     read: dict[str, torch.Tensor] = {}  # what DeepSpeed's gradient accessors returned, by step and name
     try:
         for step in range(start + 1, job.steps + 1):
+            total = 0.0
             for micro in range(job.grad_accum):
-                args, kwargs, target = scenario.make_batch(step, micro, rank, dtype)
+                who, which = (rank * job.grad_accum + micro, 0) if job.global_batches else (rank, micro)
+                args, kwargs, target = scenario.make_batch(step, which, who, dtype)
                 args = tuple(a.to(engine.device) if torch.is_tensor(a) else a for a in args)
                 target = target.to(engine.device)
                 if step in job.spike_at:  # an outlier batch: fp16 activations overflow on their own
                     args = tuple(a * 1e4 if a.is_floating_point() else a for a in args)
                 loss = scenario.loss(engine(*args, **kwargs), target)
                 value = loss.item()
+                if job.global_batches:
+                    total += value
                 if step in job.skip_at and micro == job.grad_accum - 1:
                     loss = loss * math.inf
                 engine.backward(loss)
@@ -176,6 +195,10 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                 if "after" in actions:
                     read.update(_full_grads(engine, f"grad/{step}/after"))
             result["losses"][str(step)] = value
+            if job.global_batches:  # the mean over every rank's micro-batches (collective)
+                mean = torch.tensor([total])
+                torch.distributed.all_reduce(mean)
+                result.setdefault("global_losses", {})[str(step)] = mean.item() / (world * job.grad_accum)
             _consume_rng()  # as dropout and augmentation would: resume must continue these streams
             if engine.was_step_applied():  # its clipping norm, compared as losses are (a skip keeps the last)
                 norm = engine.get_global_grad_norm()
@@ -243,7 +266,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["module_counts"] = g.trace.module_counts()
         result["forward_steps"] = g.trace.forward_steps
     if result["crash"] is None:
-        result["state"] = {**gathered_state(engine), **read}
+        result["state"] = {**gathered_state(engine, job.moments), **read}
         result["optimizer"] = optimizer_tensors(engine)
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         result["loss_scaler"] = {"scale": float(getattr(scaler, "cur_scale", 1.0)),

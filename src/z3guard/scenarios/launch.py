@@ -52,6 +52,12 @@ class Launch:
 
         return torch.load(self.out / f"{job}.state.pt")
 
+    def loaded(self, job: str):
+        """The gathered state right after `job`'s load_checkpoint (Job.state_after_load)."""
+        import torch
+
+        return torch.load(self.out / f"{job}.loaded.pt")
+
     def optimizer(self, job: str, rank: int):
         import torch
 

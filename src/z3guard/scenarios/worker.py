@@ -61,6 +61,9 @@ def main(spec_path: str) -> int:
             result = {"job": job.name, "losses": {}, "skipped": [], "fatal": True,
                       "crash": asdict(Crash.parse(0, exc))}
         state = result.pop("state", None)
+        loaded = result.pop("loaded_state", None)
+        if loaded is not None and rank == 0:
+            torch.save(loaded, out / f"{job.name}.loaded.pt")
         optim = result.pop("optimizer", None)
         if state is not None and rank == 0:
             torch.save(state, out / f"{job.name}.state.pt")
