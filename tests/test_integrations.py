@@ -4,6 +4,7 @@ guarded completes with the uninterrupted run's losses, and its checkpoint carrie
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def framework(request, runs):
     return request.param, out / ckpt, results
 
 
+def framework_out(framework) -> Path:
+    """The folder the framework's runs wrote into."""
+    _, ckpt, _ = framework
+    return next(p for p in ckpt.parents if p.name in FRAMEWORKS)
+
+
 def test_stock_crashes_after_resume(framework):
     _, _, results = framework
     crash = results["resume"]["crash"]
@@ -55,3 +62,24 @@ def test_the_frameworks_save_went_through_the_atomic_path(framework):
     _, ckpt, _ = framework
     m = manifest.verify(ckpt, world_size=2, zero_stage=3, dtype="bf16")
     assert m.global_step == 4
+
+
+def test_a_trainer_checkpoint_saved_on_2_ranks_resumes_on_1(framework, tmp_path):
+    """`resume_from_checkpoint` on 1 rank (gradient accumulation 2: the same 8 samples a step) of the guarded
+    checkpoint saved on 2: z3guard re-partitions it, and the losses after it stay within verify-resume's
+    tolerance of the uninterrupted run on 2 ranks."""
+    from z3guard.scenarios.verify import LOSS_TOLERANCE
+
+    name, _, results = framework
+    if name != "trainer":
+        pytest.skip("the accelerate script keeps its data per rank; its load_state is the same engine call")
+    shutil.copytree(framework_out(framework) / "resumed-guarded", tmp_path / "resumed-guarded")
+    argv = [str(SCRIPTS / FRAMEWORKS[name][0]), str(tmp_path), "--phase", "resume", "--guard", "--grad-accum", "2"]
+    done = run_ranks(argv, tmp_path / "launch", nproc=1, timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.log[-5000:]
+    assert "saved on 2 ranks; re-partitioning it for 1" in done.log
+    resumed, straight = json.loads((tmp_path / "resume-guarded.json").read_text()), results["straight"]
+    assert resumed["crash"] is None
+    for step in ("5", "6", "7", "8"):
+        a, b = straight["losses"][step], resumed["losses"][step]
+        assert a == b or abs(a - b) <= LOSS_TOLERANCE["bf16"] * abs(a), (step, a, b)

@@ -289,6 +289,7 @@ def check_checkpoint(
     found = inspect(path, tag)
     if json_out:
         json_out.write_text(json.dumps({"folder": str(found.folder), "ok": found.ok, "verdict": found.verdict,
+                                        "loads_on": found.loads_on,
                                         "manifest": None if found.manifest is None else vars(found.manifest),
                                         "files": [asdict(f) for f in found.files]}, indent=1, default=str))
     m = found.manifest
@@ -305,6 +306,8 @@ def check_checkpoint(
         files.add_row(row.name, f"{row.size:,}", f"[{colours.get(row.status, 'red')}]{row.status}[/]")
     console.print(files)
     console.print(("[green]" if found.ok else "[red]") + found.verdict + "[/]")
+    if found.loads_on:
+        console.print(f"loads on: {found.loads_on}")
     raise typer.Exit(0 if found.ok else 1)
 
 

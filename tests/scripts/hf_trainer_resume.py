@@ -76,6 +76,7 @@ ds["fp16"]["enabled"] = "auto"
 ds["bf16"]["enabled"] = "auto"
 run_dir = args.out / ("straight" if args.phase == "straight" else f"resumed{'-guarded' if args.guard else ''}")
 targs = TrainingArguments(output_dir=str(run_dir), max_steps=args.steps, per_device_train_batch_size=4,
+                          gradient_accumulation_steps=args.grad_accum,
                           learning_rate=1e-3, logging_steps=1, save_steps=4, save_strategy="steps", bf16=True,
                           deepspeed=None if args.config_from_launcher else ds, report_to=[], seed=1234, data_seed=1234, dataloader_num_workers=0,
                           disable_tqdm=True, save_only_model=False, use_cpu=True)

@@ -13,6 +13,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--guard", action="store_true")
     parser.add_argument("--skip-at", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (Trainer)")
     parser.add_argument("--config-from-launcher", action="store_true",
                         help="the DeepSpeed config comes from the launcher (accelerate launch --config_file)")
     return parser.parse_args()

@@ -91,3 +91,10 @@ def images_without_micro(step: int, rank: int):  # the signature an earlier rele
 
 def not_a_batch(step: int, micro: int, rank: int, dtype: torch.dtype):
     return images(step, micro, rank, dtype)[0]
+
+
+def narrow_lm() -> nn.Module:
+    """The `tied` scenario's model at half its width: the same parameter names, other shapes."""
+    from z3guard.scenarios.models import TinyLM
+
+    return TinyLM(width=32)

@@ -22,6 +22,7 @@ class Inspection:
     files: list[FileRow] = field(default_factory=list)
     verdict: str = ""  # verified | FAILED: ... | unverifiable: ...
     ok: bool = False
+    loads_on: str = ""  # the numbers of ranks it can be loaded on
 
 
 def resolve(path: Path, tag: str | None = None) -> Path:
@@ -34,7 +35,30 @@ def resolve(path: Path, tag: str | None = None) -> Path:
     return path / (path / "latest").read_text().strip()
 
 
+def loads_on(folder: Path) -> str:
+    """From which numbers of ranks a ZeRO-3 checkpoint can be loaded, from its own files."""
+    from ..adapter.reshard import read_layout
+
+    try:
+        layout = read_layout(folder)
+    except CheckpointError as exc:
+        return f"not re-partitionable: {exc}"
+    except Exception as exc:  # a file torch cannot read: the verdict above says which
+        return f"not readable ({type(exc).__name__})"
+    n = layout.world
+    if layout.frozen:
+        return f"{n} ranks only: it holds {len(layout.frozen)} frozen parameter(s), saved as per-rank fragments"
+    return f"any number of ranks under z3guard (re-partitioned at load); stock DeepSpeed: {n} only"
+
+
 def inspect(path: Path, tag: str | None = None) -> Inspection:
+    found = _inspect(path, tag)
+    if found.folder.is_dir() and (found.folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file():
+        found.loads_on = loads_on(found.folder)
+    return found
+
+
+def _inspect(path: Path, tag: str | None = None) -> Inspection:
     folder = resolve(path, tag)
     if not folder.is_dir():
         return Inspection(folder, None, verdict=f"FAILED: {folder} is not a folder")
