@@ -88,11 +88,6 @@ def test_each_hazard_kind_is_found(runs, scenario, expected):
         assert _kinds(report)["read on some steps", "head"].params == ["blocks.0.fc1.weight"]
 
 
-def test_a_plain_mlp_reports_nothing(runs):
-    report = doctor.run(doctor.DoctorPlan(scenario="mlp", out=runs / "doctor-mlp"))
-    assert report.hazards == [] and set(report.stock.values()) == {"ok"}
-
-
 def test_a_32_layer_llama_config_is_examined_with_2_layers_and_its_layers_agree(runs, tmp_path):
     """`--hf FOLDER --layers N`: the hazards of a decoder repeat per layer, so N of them tell as much."""
     from transformers import LlamaConfig

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -151,12 +152,14 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     start = 0
     result: dict[str, Any] = {"job": job.name, "losses": {}, "skipped": [], "crash": None}
     if job.load_dir:
+        began = time.perf_counter()
         try:
             _, client = engine.load_checkpoint(job.load_dir)
         except RuntimeError as exc:  # z3guard's refusal (before loading anything), or stock's torn file
             result.update(load_error=str(exc), start=0, state=gathered_state(engine))
             engine.destroy()
             return result
+        result["load_seconds"] = time.perf_counter() - began
         start = int((client or {}).get("step", engine.global_steps))
         if job.state_after_load:
             result["loaded_state"] = gathered_state(engine, job.moments)
