@@ -150,8 +150,9 @@ def rank_state_dict(engine: Any, layout: SavedLayout, rank: int, world: int) -> 
             flats[g][dst:dst + hi - lo].copy_(saved["fp32"][src:src + hi - lo])
             for key in MOMENTS:
                 if key in saved:
-                    moment = moments[g].setdefault(key, torch.zeros_like(flats[g]))
-                    moment[dst:dst + hi - lo].copy_(saved[key][src:src + hi - lo])
+                    if key not in moments[g]:
+                        moments[g][key] = torch.zeros_like(flats[g])
+                    moments[g][key][dst:dst + hi - lo].copy_(saved[key][src:src + hi - lo])
         del sd, saved
     first = saved_inner["state"][min(saved_inner["state"])] if saved_inner.get("state") else {}
     for g in range(len(flats)):
