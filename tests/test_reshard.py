@@ -5,9 +5,11 @@ Both offloads (Hugging Face's ZeRO-3 example), DeepSpeed 0.19.8, gloo."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from z3guard.cli import app
@@ -17,8 +19,10 @@ from z3guard.scenarios.launch import run_jobs
 
 from .conftest import LAUNCH_TIMEOUT
 
-# Every direction, each precision twice; the other four combinations run the same code.
+# Every direction, each precision twice; Z3GUARD_MATRIX=full runs every direction in both.
 CASES = [(2, 1, "fp16"), (1, 2, "bf16"), (2, 4, "bf16"), (4, 2, "fp16")]
+if os.environ.get("Z3GUARD_MATRIX") == "full":
+    CASES = [(n, m, d) for n, m in ((2, 1), (1, 2), (2, 4), (4, 2)) for d in ("fp16", "bf16")]
 
 
 @pytest.mark.parametrize("n,m,dtype", CASES, ids=[f"{n}to{m}-{d}" for n, m, d in CASES])
@@ -51,6 +55,16 @@ def test_stock_refuses_it_and_bad_checkpoints_are_refused_before_loading(runs, t
             in done.result("shapes")["load_error"])
     stock = done.failure("stock")
     assert "used a DP world size of 2 but the current world size is 1" in stock["summary"], stock
+
+    from z3guard.checkpoint.state import _derived
+
+    draws = {}  # a rank past the saved ones: streams of its own, the same on every resume
+    for rank in (2, 2, 3):
+        state = _derived(torch.load(saved / "step4" / "z3guard_state_rank0.pt", weights_only=False), rank)
+        generator = torch.Generator()
+        generator.set_state(state["torch_rng"])
+        draws.setdefault(rank, set()).add(torch.rand(1, generator=generator).item())
+    assert len(draws[2]) == 1 and draws[2] != draws[3]
 
     result = CliRunner().invoke(app, ["check-checkpoint", str(saved), "--json", str(tmp_path / "c.json")])
     assert result.exit_code == 0, result.output

@@ -30,7 +30,7 @@ from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from z3guard.scenarios.config import resolve_auto  # noqa: E402
 from z3guard.scenarios.models import CLASSES, IMAGE, ClipLike  # noqa: E402
 
-ds = resolve_auto(hidden_size=512, dtype="bf16", micro_batch=4, world_size=2)
+ds = resolve_auto(hidden_size=512, dtype="bf16", micro_batch=4, world_size=int(os.environ.get("WORLD_SIZE", 2)))
 accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
 torch.manual_seed(1234)
 model = ClipLike()

@@ -126,6 +126,8 @@ def gathered_state(engine, moments: bool = False) -> dict[str, torch.Tensor]:
         for name, p in engine.module.named_parameters():
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+        steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values() if "step" in s}
+        out["optimizer/step"] = torch.tensor(sorted(steps))  # one count for every sub-group
     return out
 
 
