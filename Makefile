@@ -49,7 +49,7 @@ test-wheel: $(STAMP)
 	$(WHEEL)/bin/python $(PIP) --no-deps dist/z3guard-*.whl
 	Z3GUARD_WHEEL_PYTHON=$(abspath $(WHEEL))/bin/python $(PY) -m pytest -q tests/test_wheel.py
 
-# Every release: the self-check; two of them (tests/releases.py SCENARIO) the report's scenario too. -full:
+# Five releases (tests/releases.py CI): the self-check; two of them (SCENARIO) the report's scenario too. -full:
 # every release every scenario, the save/load contract and the gathers (when adding a release or changing
 # the adapter).
 test-releases: $(RELEASES_STAMP)

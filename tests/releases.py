@@ -1,13 +1,13 @@
 """Run the release-sensitive tests on every CPU-tested DeepSpeed release, one after another in one
 environment, swapping DeepSpeed between runs (a pure-Python install: seconds once pip has built it).
 
-    python tests/releases.py [--full] [RELEASE ...]    # default: every CPU-tested release but the main one
+    python tests/releases.py [--full] [RELEASE ...]    # default: the releases of CI; --full: all but the main one
 
 The main release (requirements-cpu.txt) runs the whole suite in its own environment. Here, by default (what
-CI runs), every other release runs the self-check and lifecycle tests (tests/test_adapter.py), and the
-releases of SCENARIO also the report's crash scenario (stock crashes, z3guard completes bit-identically).
-With --full (`make test-releases-full`, when a release is added or the adapter changes) every release runs
-the scenario in fp16 and bf16, the `GatheredParameters` trigger, the save/load contract and the gathers.
+CI runs), the releases of CI run the self-check and lifecycle tests (tests/test_adapter.py), and those of
+SCENARIO also the report's crash scenario (stock crashes, z3guard completes bit-identically). With --full
+(`make test-releases-full`, when a release is added or the adapter changes) every CPU-tested release runs
+them, the scenario in fp16 and bf16, the `GatheredParameters` trigger, the save/load contract and the gathers.
 Each release's compiled ops are kept in ~/.cache/z3guard, so that a machine's later runs skip compiling.
 """
 from __future__ import annotations
@@ -34,8 +34,13 @@ DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer=
 PIP = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation"]
 
 
-def cpu_releases() -> list[str]:
-    return [r.version for r in TESTED if "CPU" in r.tested_on and r.version != MAIN]
+# CI's self-check: the oldest, the last of the coordinator per mode (TRL's minimum), LLaMA-Factory's and
+# the newest two before the main one (0.18.9, OpenRLHF's 0.19.5). --full takes every CPU-tested release.
+CI = {"0.10.3", "0.14.5", "0.16.4", "0.18.9", "0.19.5"}
+
+
+def cpu_releases(full: bool = False) -> list[str]:
+    return [r.version for r in TESTED if "CPU" in r.tested_on and r.version != MAIN and (full or r.version in CI)]
 
 
 def tests_for(release: str, full: bool) -> tuple[list[str], str]:
@@ -74,7 +79,7 @@ def run(release: str, full: bool = False) -> tuple[bool, str]:
 
 def main(argv: list[str]) -> int:
     full = "--full" in argv
-    releases = [a for a in argv if a != "--full"] or cpu_releases()
+    releases = [a for a in argv if a != "--full"] or cpu_releases(full)
     passed, failed = [], []
     for release in releases:
         start = time.monotonic()

@@ -15,12 +15,14 @@ FIELDS = {"model", "variant", "offload", "median_step_s", "min_step_s", "peak_gp
 
 def test_cpu_smoke_run_writes_every_record(tmp_path):
     out = tmp_path / "cpu.json"
+    # two of the four models (the static one and the one whose order changes); the GPU runs take all four
     done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--steps", "8", "--warmup", "1",
+                           "--models", "gpt2", "--models", "gpt2-skip",
                            "--out", str(out), "--timeout", "900"], capture_output=True, text=True, timeout=1000)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     records = json.loads(out.read_text())
     assert {(r["model"], r["variant"]) for r in records if r["offload"] == "param"} == {
-        (m, v) for m in ("gpt2", "gpt2-skip", "gpt2-moe", "clip")
+        (m, v) for m in ("gpt2", "gpt2-skip")
         for v in ("stock", "stock-persist0", "stock-noprefetch", "z3guard", "z3guard-nofast")}
     assert {r["offload"] for r in records} == {"none", "param", "param+optimizer"}
     for r in records:

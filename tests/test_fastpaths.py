@@ -60,10 +60,10 @@ def test_nonfinite_check_decides_fp16_buffers_from_the_sum(monkeypatch):
     assert checked == [1]  # the sum alone decided
 
 
-def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
+def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
-    skips = [3, 10, 25, 26, 40]
-    common = dict(steps=52, skip_at=skips)
+    skips = [3, 10, 25, 26]  # one right after another too
+    common = dict(steps=30, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
            "fast_fused_step": False, "fast_grad_offload": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
@@ -75,10 +75,10 @@ def test_fast_paths_are_bit_identical_over_52_steps_with_skips(runs):
     # summed on the host at every step that was not skipped
     moved = fast["grad_offload"]
     assert moved["from_device"] > 0 and moved["copied_back"] == 0
-    assert moved["norms_summed_on_host"] == (52 - len(skips)) * fast["optimizer_sub_groups"]
+    assert moved["norms_summed_on_host"] == (30 - len(skips)) * fast["optimizer_sub_groups"]
     assert stock["skipped"] == fast["skipped"] == skips
     # every gradient arrived on every step: the norms decided each check, no buffer was read
-    assert fast["overflow_reads"] == {"checks": 52, "elements_read": 0}
+    assert fast["overflow_reads"] == {"checks": 30, "elements_read": 0}
     assert fast["persistent_kept"] > 0 and plain["persistent_kept"] is None  # kept gathered through the step
     # ... and released after each skipped step, where stock leaves them: the next forward gathers them
     # again (z3guard's restore counts them) exactly as often as with the fast paths off
@@ -151,14 +151,14 @@ def test_host_threads_only_replace_torchruns_default(environ, launcher, left):
     assert launcher_left_one_thread(environ, launcher) is left
 
 
-def test_host_threads_and_fused_step_are_bit_identical_with_ds_cpu_adam_over_52_steps_with_skips(runs):
+def test_host_threads_and_fused_step_are_bit_identical_with_ds_cpu_adam_over_30_steps_with_skips(runs):
     """DeepSpeedCPUAdam on the offloaded optimizer: stock on one thread per rank, z3guard on two with
     unscale, Adam and write-back fused, over several sub-groups (one chunk each on this model:
     test_fused_update_* splits a partition into many)."""
     ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                "zero_optimization": {"sub_group_size": 5000}}
-    skips = [3, 10, 25, 26, 40]
-    common = dict(steps=52, skip_at=skips, config=ds_adam)
+    skips = [3, 10, 25, 26]  # one right after another too
+    common = dict(steps=30, skip_at=skips, config=ds_adam)
     done = launch([Job("stock", **common), Job("threads", guard=True, options={"host_threads": 2}, **common)],
                   runs / "host-threads")
     stock, threads = done.result("stock"), done.result("threads")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from typer.testing import CliRunner
 from z3guard.cli import app
 from z3guard.scenarios import verify
 from z3guard.scenarios.job import Job
-from z3guard.scenarios.launch import run_jobs
+from z3guard.scenarios.launch import rank_env, run_jobs
 
 from .conftest import LAUNCH_TIMEOUT
 
@@ -45,14 +47,24 @@ def test_stock_refuses_it_and_bad_checkpoints_are_refused_before_loading(runs, t
     shutil.copytree(saved, partial)
     gone = next(partial.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     gone.unlink()
+    universal = tmp_path / "universal"  # DeepSpeed's own way stays DeepSpeed's under z3guard
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(saved / "step4"), "--output_folder", str(universal / "step4")], check=True,
+                   capture_output=True, env=rank_env("cpu"))
+    (universal / "latest_universal").write_text("step4")
     lm = dict(batch="z3guard.scenarios.catalog:_token_batch", hidden=64, steps=6)
     jobs = [Job("partial", scenario="tied", guard=True, load_dir=str(partial), steps=6),
             Job("shapes", model="tests.scripts.user_models:narrow_lm", guard=True, load_dir=str(saved), **lm),
-            Job("stock", scenario="tied", load_dir=str(saved), steps=6)]
+            Job("universal", scenario="tied", guard=True, load_dir=str(universal), steps=6,
+                config={"checkpoint": {"load_universal": True}}),
+            Job("stock", scenario="tied", load_dir=str(saved), steps=6)]  # last: its refusal ends the ranks
     done = run_jobs(jobs, tmp_path / "launch", nproc=1, timeout=LAUNCH_TIMEOUT)
     assert f"{gone}: missing" in done.result("partial")["load_error"]
     assert ("parameter 'embed.weight' is (64, 32) in the model, (64, 64) in the checkpoint"
             in done.result("shapes")["load_error"])
+    res = done.result("universal")
+    assert res["crash"] is None and "load_error" not in res and res["start"] == 4, res
+    assert done.log.count("re-partitioning it for 1") == 0
     stock = done.failure("stock")
     assert "used a DP world size of 2 but the current world size is 1" in stock["summary"], stock
 

@@ -152,7 +152,9 @@ def set_data_position(engine: Any, position: Any) -> None:
 
 
 def resumed_state(engine: Any) -> dict[str, Any] | None:
-    """After `load_checkpoint`: the extra state z3guard saved (RNG, loss scaler, data position)."""
+    """After `load_checkpoint`: the extra state z3guard saved (RNG, loss scaler, data position); from a
+    checkpoint saved on another number of ranks also `saved_world_size` and `saved_rank` (whose state
+    this rank took), to derive a per-rank data position from."""
     g = _GUARDED.get(engine)
     return g.checkpoint.resumed_state if g is not None else None
 

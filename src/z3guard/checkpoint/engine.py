@@ -123,7 +123,8 @@ class CheckpointGuard:
     def _other_world(self, folder: Path) -> Any:
         """The saved layout, when `folder` was saved on another number of ranks and can be re-partitioned
         here (every rank agrees, or all raise CheckpointError naming why not); None when saved on this many."""
-        saved = _saved_world(folder) if self.engine.zero_optimization_stage() == 3 else None
+        universal = bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)())
+        saved = _saved_world(folder) if self.engine.zero_optimization_stage() == 3 and not universal else None
         if saved is None or saved == dist.world():
             return None
         layout, problem = None, None
@@ -186,6 +187,8 @@ class CheckpointGuard:
         if saved is not None and not kwargs.get("load_module_only"):  # a warm start keeps this run's streams
             state.restore(saved)
             self.data_position = saved.get("data_position")
+            if layout is not None:  # what a caller needs to derive its per-rank position from the saved one
+                saved = {**saved, "saved_world_size": layout.world, "saved_rank": dist.rank() % layout.world}
             self.resumed_state = saved
         return result
 

@@ -170,7 +170,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         if job.guard:
             import z3guard
 
-            result["data_position"] = (z3guard.resumed_state(engine) or {}).get("data_position")
+            resumed = z3guard.resumed_state(engine) or {}
+            result["data_position"] = resumed.get("data_position")
+            result["saved_rank"] = resumed.get("saved_rank")  # from another number of ranks: whose state
     result["start"] = start
     step = start
     read: dict[str, torch.Tensor] = {}  # what DeepSpeed's gradient accessors returned, by step and name

@@ -163,4 +163,11 @@ def _resharded(plan, straight, phase1, resumed, first, second, seconds) -> Verif
                     a = [s for s in a if s > plan.save_after]
                 if a != b:
                     diff = Difference(f"rank {r}: {what}", f"resumed {b!r} != straight {a!r}")
+    if diff is None and plan.guard:
+        checked.append(f"data position of every rank (saved rank r mod {n}'s)")
+        for r in range(m):
+            got = (resumed[r].get("data_position"), resumed[r].get("saved_rank"))
+            if got != ({"next_step": plan.save_after + 1}, r % n):
+                diff = Difference(f"rank {r}: data position", f"{got!r} != the save's, from saved rank {r % n}")
+                break
     return VerifyResult(diff is None, diff, None, checked, seconds, losses=losses, tolerance=tolerance)
