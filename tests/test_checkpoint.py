@@ -270,3 +270,38 @@ def test_the_way_out_stock_deepspeed_and_zero_to_fp32_read_a_z3guard_checkpoint(
     masters = {k.removeprefix("master/"): v for k, v in saved.items() if k.startswith("master/")}
     assert masters and set(fp32) >= set(masters)
     assert compare.first_tensor_difference(masters, {k: fp32[k].float() for k in masters}) is None
+
+
+# -- a disk per node ---------------------------------------------------------------------------
+def test_a_folder_per_node_commits_each_and_resumes_exactly(runs):
+    """Each rank saves into its own folder, as onto a disk per node: each stages and commits its own files
+    under a manifest of them, `latest` is written into every folder, and the resume equals the run that went
+    on. Stock DeepSpeed writes `latest` from rank 0 alone, so rank 1's folder has none to resume from."""
+    import re
+
+    root = runs / "per-node"
+    run = launch([Job("stock", steps=2, save_at=[2], save_dir=str(root / "stock{rank}")),
+                  Job("through", guard=True, steps=5, save_at=[3], save_dir=str(root / "node{rank}")),
+                  Job("resumed", guard=True, steps=5, load_dir=str(root / "node{rank}"))], runs / "per-node-launch")
+    assert (root / "stock0" / "latest").is_file() and not (root / "stock1" / "latest").exists()
+    for r in (0, 1):
+        node = root / f"node{r}"
+        assert (node / "latest").read_text() == "step3" and not (node / ".z3guard-staging").exists()
+        m = manifest.verify(node / "step3", world_size=2)
+        assert (m.storage, m.storages) == (r, 2)
+        assert m.files and all(re.search(rf"rank_?{r}\D", n) for n in m.files), sorted(m.files)
+    through, resumed = run.result("through"), run.result("resumed")
+    assert resumed["start"] == 3 and "load_error" not in resumed and resumed["crash"] is None
+    assert resumed["losses"] and all(through["losses"][k] == v for k, v in resumed["losses"].items())
+    assert compare.first_tensor_difference(run.state("through"), run.state("resumed")) is None
+
+
+def test_a_folder_per_node_moves_latest_only_when_every_node_committed(runs):
+    """Rank 1's disk fills during the second save: neither folder gets that checkpoint or a new `latest`."""
+    root = runs / "per-node-full"
+    first = launch([Job("full", guard=True, steps=3, save_at=[2, 3], fsize_limit=200_000, fsize_rank=1,
+                        save_dir=str(root / "node{rank}"))], runs / "per-node-full-launch")
+    for r in (0, 1):
+        assert "rank 1: " in first.result("full", r)["save_error"]
+        assert (root / f"node{r}" / "latest").read_text() == "step2" and not (root / f"node{r}" / "step3").exists()
+        manifest.verify(root / f"node{r}" / "step2", world_size=2)

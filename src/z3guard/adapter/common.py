@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -157,20 +158,30 @@ class ZeroAdapter:
                 "dynamic": bool(getattr(scaler, "dynamic", False))}
 
     @contextlib.contextmanager
-    def deferred_write_errors(self, engine: Any) -> Iterator[list[Exception]]:
-        """DeepSpeed's save writes through `engine.checkpoint_engine.save` between collectives of its own; a
-        write failing on one rank would leave the others waiting in them. Inside this, a failed write is
-        kept (and later writes skipped) while the save goes on to its end; the caller raises it then."""
+    def guarded_writes(self, engine: Any, open_file: Callable[[str], Any]) -> Iterator[list[Exception]]:
+        """DeepSpeed's save writes through `engine.checkpoint_engine.save(state_dict, path)` between
+        collectives of its own; a write failing on one rank would leave the others waiting in them. Inside
+        this, a failed write is kept (and later writes skipped) while the save goes on to its end; the
+        caller raises it then. DeepSpeed's plain torch writer (which hands `path` to `torch.save`) is given
+        `open_file(path)` instead, a file object that hashes the bytes as they pass; other writers (fast,
+        decoupled, Nebula) get the path."""
         writer = engine.checkpoint_engine
         errors: list[Exception] = []
         shadowed = vars(writer).get("save")
         stock = writer.save
+        plain = type(writer).__name__ == "TorchCheckpointEngine" and shadowed is None
 
-        def save(*args: Any, **kwargs: Any) -> Any:
+        def save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
             if errors:
                 return None
             try:
-                return stock(*args, **kwargs)
+                if not (plain and isinstance(path, (str, os.PathLike))):
+                    return stock(state_dict, path, *args, **kwargs)
+                target = open_file(os.fspath(path))
+                try:
+                    return stock(state_dict, target, *args, **kwargs)
+                finally:
+                    target.close()
             except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
                 errors.append(exc)
                 return None
@@ -183,6 +194,10 @@ class ZeroAdapter:
                 del writer.save
             else:
                 writer.save = shadowed
+
+    def node_local_storage(self, engine: Any) -> bool:
+        """DeepSpeed's `checkpoint.use_node_local_storage`: each node saves to and loads from its own disk."""
+        return bool(getattr(engine, "use_node_local_storage", lambda: False)())
 
     # -- a checkpoint saved on another number of ranks (reshard.py) -------------------------
     def saved_layout(self, folder: Any) -> Any:

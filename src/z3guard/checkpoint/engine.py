@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,7 +15,7 @@ import torch
 
 from .. import __version__
 from ..adapter import installed_release
-from . import dist, faults, manifest, state
+from . import digest, dist, faults, manifest, state, storage
 from .errors import CheckpointError
 
 log = logging.getLogger("z3guard")
@@ -54,10 +55,11 @@ class CheckpointGuard:
         e = self.engine
         return "fp16" if e.fp16_enabled() else "bf16" if e.bfloat16_enabled() else "fp32"
 
-    def _manifest(self, tag: str) -> manifest.Manifest:
+    def _manifest(self, tag: str, store: storage.Storage) -> manifest.Manifest:
         return manifest.Manifest(tag=tag, world_size=dist.world(), zero_stage=self.engine.zero_optimization_stage(),
                                  dtype=self.dtype(), global_step=int(self.engine.global_steps),
-                                 deepspeed=installed_release(), torch=torch.__version__, z3guard=__version__)
+                                 deepspeed=installed_release(), torch=torch.__version__, z3guard=__version__,
+                                 storage=store.index, storages=store.count)
 
     # -- save --------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
@@ -73,48 +75,52 @@ class CheckpointGuard:
         root = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         final, staging = root / tag, root / STAGING / tag
+        store = storage.of(root, self.adapter.node_local_storage(self.engine))
         problem = _target_problem(root, final)
-        if problem is None and dist.rank() == 0:
+        if problem is None and store.leads:
             try:
                 problem = _claim(root / STAGING, tag)
             except OSError as exc:
                 problem = f"{root / STAGING}: cannot take the save lock of checkpoint '{tag}': {exc}"
         dist.raise_if_any(problem, CheckpointError)
-        published = False
+        renaming = False
         try:  # rmtree: a staging folder left by a save that died
-            _agreed(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)), rank0=True)
+            _agreed(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)), store)
             faults.point("before-data", tag)
-            _agreed(lambda: self._deepspeed_save(root / STAGING, tag, client_state or {}, kwargs))
-            faults.point("mid-data", tag)
-            _agreed(lambda: state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
-                                                              self.data_position)))
-            faults.point("before-manifest", tag)
-            m = self._manifest(tag)
-            m.files = manifest.hash_files(staging, _from_rank0(lambda: manifest.listing(staging)))
-            _agreed(lambda: (manifest.fsync_tree(staging), m.write(staging)), rank0=True)
+            written: dict[str, dict[str, Any]] = {}  # this rank's files, hashed as they were written
+            with ThreadPoolExecutor(digest.threads()) as pool:
+                _agreed(lambda: self._deepspeed_save(root / STAGING, tag, client_state or {}, kwargs,
+                                                     _hashing_into(staging, written, pool)))
+                faults.point("mid-data", tag)
+                _agreed(lambda: state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
+                                                                  self.data_position)))
+                faults.point("before-manifest", tag)
+                m = self._manifest(tag, store)
+                m.files = storage.entries(staging, store, written, pool)
+            _agreed(lambda: (manifest.fsync_tree(staging), m.write(staging)), store)
             faults.point("before-rename", tag)
-            # the checkpoint appears whole, or not at all
-            _agreed(lambda: _publish(staging, final), rank0=True)
-            published = True
-            _agreed(lambda: manifest.fsync_dir(root), rank0=True)
-            faults.point("before-latest", tag)
-            _agreed(lambda: save_latest and manifest.write_durably(root / "latest", tag.encode()), rank0=True)
+            renaming = True  # the checkpoint appears whole (on each filesystem), or not at all
+            _agreed(lambda: _publish(staging, final), store)
+            _agreed(lambda: manifest.fsync_dir(root), store)
+            faults.point("before-latest", tag)  # every filesystem has committed its part
+            _agreed(lambda: save_latest and manifest.write_durably(root / "latest", tag.encode()), store)
         except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
-            if dist.rank() == 0:
+            if store.leads:
                 shutil.rmtree(staging, ignore_errors=True)
                 _release(root / STAGING, tag)
-            outcome = (f"'{tag}' is in place (verify it with z3guard check-checkpoint)" if published else
+            outcome = (f"'{tag}' may be in place (verify it with z3guard check-checkpoint)" if renaming else
                        "Nothing was published")
             raise CheckpointError(f"saving checkpoint '{tag}' into {root} failed: {exc}. {outcome}; "
                                   f"'latest' still points to {_latest(root)!r}.") from exc
-        if dist.rank() == 0:
+        if store.leads:
             _release(root / STAGING, tag)
         return True
 
-    def _deepspeed_save(self, folder: Path, tag: str, client_state: dict, kwargs: dict[str, Any]) -> None:
+    def _deepspeed_save(self, folder: Path, tag: str, client_state: dict, kwargs: dict[str, Any],
+                        open_file: Callable[[str], Any]) -> None:
         """DeepSpeed's own save into the staging folder; a write that failed on this rank is raised once
         DeepSpeed's collectives are done, so every rank reaches the agreement after it."""
-        with self.adapter.deferred_write_errors(self.engine) as errors:
+        with self.adapter.guarded_writes(self.engine, open_file) as errors:
             self._save(str(folder), tag=tag, client_state=client_state, save_latest=False, **kwargs)
         if errors:
             raise errors[0]
@@ -124,7 +130,16 @@ class CheckpointGuard:
         """The saved layout, when `folder` was saved on another number of ranks and can be re-partitioned
         here (every rank agrees, or all raise CheckpointError naming why not); None when saved on this many."""
         universal = bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)())
-        saved = _saved_world(folder) if self.engine.zero_optimization_stage() == 3 and not universal else None
+        saved, problem = None, None
+        try:
+            saved = _saved_world(folder) if self.engine.zero_optimization_stage() == 3 and not universal else None
+        except Exception as exc:  # a corrupt manifest or model-states file: torch.load raises many types
+            problem = f"{folder}: cannot tell how many ranks saved it: {exc}"
+        views = dist.gather_all((saved, problem))
+        dist.raise_if_any(next((p for _, p in views if p), None) or (
+            None if len({s for s, _ in views}) == 1 else
+            f"{folder}: the ranks read different saved world sizes {[s for s, _ in views]} from their copies"),
+            CheckpointError)
         if saved is None or saved == dist.world():
             return None
         layout, problem = None, None
@@ -144,37 +159,22 @@ class CheckpointGuard:
 
     def load(self, load_dir: str, tag: Any = None, **kwargs: Any):
         root = Path(load_dir)
-        if tag is None:
-            universal = bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)())
-            latest = root / ("latest_universal" if universal else "latest")
-            if not latest.is_file():
-                tags = _checkpoint_tags(root)
-                if not tags or universal:  # stock's answer: (None, None), or its ValueError
-                    return self._load(str(root), tag=None, **kwargs)
-                raise CheckpointError(f"{latest}: missing, though {root} holds checkpoints {tags}; loading "
-                                      "nothing would silently restart from scratch. Pass tag=... or restore "
-                                      f"'{latest.name}'.")
-            tag = latest.read_text().strip()
-        folder = root / str(tag)
-        replaced = root / STAGING / f"{tag}.replaced"
-        if not folder.is_dir() and replaced.is_dir():  # a replacing save died between its two renames
-            dist.barrier()
-            if dist.rank() == 0:
-                log.warning("z3guard: restoring %s from %s (a save replacing it was interrupted)", folder, replaced)
-                os.rename(replaced, folder)
-            dist.barrier()
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: no such checkpoint folder (tag {tag!r}); checkpoints in {root}: "
-                                  f"{_checkpoint_tags(root) or 'none'}.")
+        tag = _agreed_tag(root, tag, bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)()))
+        if tag is None:  # no checkpoint there: stock's answer, (None, None) or its ValueError
+            return self._load(str(root), tag=None, **kwargs)
+        folder = root / tag
+        _restore_replaced(root, tag)
+        dist.raise_if_any(None if folder.is_dir() else f"{folder}: no such checkpoint folder (tag {tag!r}); "
+                          f"checkpoints in {root}: {_checkpoint_tags(root) or 'none'}.", CheckpointError)
         layout = self._other_world(folder)
-        if (folder / manifest.MANIFEST).exists():
-            problem = None
-            try:
-                manifest.verify(folder, world_size=None if layout else dist.world(),
-                                zero_stage=self.engine.zero_optimization_stage(), dtype=self.dtype())
-            except CheckpointError as exc:
-                problem = str(exc)
-            dist.raise_if_any(problem, CheckpointError)
+        listed = dist.gather_all((folder / manifest.MANIFEST).exists())
+        if all(listed):  # raises on every rank
+            manifest.verify(folder, world_size=None if layout else dist.world(),
+                            zero_stage=self.engine.zero_optimization_stage(), dtype=self.dtype())
+        elif any(listed):
+            raise CheckpointError(f"{folder}: ranks {[r for r, x in enumerate(listed) if x]} find its "
+                                  f"{manifest.MANIFEST}, ranks {[r for r, x in enumerate(listed) if not x]} do not: "
+                                  "a node's copy is incomplete; load an older checkpoint.")
         else:
             log.warning("z3guard: %s has no %s (written without z3guard): loading it unverified",
                         folder, manifest.MANIFEST)
@@ -193,28 +193,74 @@ class CheckpointGuard:
         return result
 
 
+def _agreed_tag(root: Path, tag: Any, universal: bool) -> str | None:
+    """The tag every rank loads: `tag`, else the one `latest` names (None where `root` holds no checkpoint).
+    Ranks that would load different ones (node-local folders whose `latest` differ) are refused on all."""
+    answer, problem = (str(tag) if tag is not None else None), None
+    latest = root / ("latest_universal" if universal else "latest")
+    if tag is None and latest.is_file():
+        answer = latest.read_text().strip()
+    elif tag is None and not universal and _checkpoint_tags(root):
+        problem = (f"{latest}: missing, though {root} holds checkpoints {_checkpoint_tags(root)}; loading nothing "
+                   f"would silently restart from scratch. Pass tag=... or restore '{latest.name}'.")
+    views = dist.gather_all((answer, problem))
+    problems = [p for _, p in views if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    if len({a for a, _ in views}) > 1:
+        raise CheckpointError(f"{root}: the ranks would resume from different checkpoints ("
+                              + ", ".join(f"rank {r}: {a!r}" for r, (a, _) in enumerate(views))
+                              + "); their folders' 'latest' differ. Pass tag=... to load one they all hold.")
+    return answer
+
+
+def _restore_replaced(root: Path, tag: str) -> None:
+    """A save that replaced `tag` and died between its two renames left the old one aside: put it back (by
+    any rank that sees it; a filesystem's ranks race for one rename)."""
+    folder, replaced = root / tag, root / STAGING / f"{tag}.replaced"
+    needed = not folder.is_dir() and replaced.is_dir()
+    dist.gather_all(needed)  # every rank has looked before any renames
+    if needed:
+        try:
+            os.rename(replaced, folder)
+            log.warning("z3guard: restored %s from %s (a save replacing it was interrupted)", folder, replaced)
+        except FileNotFoundError:
+            pass
+    dist.barrier()
+
+
 def _saved_world(folder: Path) -> int | None:
-    """The number of ranks a checkpoint was saved on: its manifest's, else DeepSpeed's own record."""
+    """The number of ranks a checkpoint was saved on: its manifest's, else DeepSpeed's own record (read only
+    when its count of model-state files is not this run's world size)."""
     if (folder / manifest.MANIFEST).exists():
         return manifest.Manifest.read(folder).world_size
     states = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if len(list(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))) == dist.world():
+        return dist.world()
     if states.is_file():
         return int(torch.load(states, map_location="cpu", weights_only=False).get("dp_world_size", 0)) or None
     return None
 
 
-def _agreed(action: Callable[[], Any], rank0: bool = False) -> None:
-    """A save phase: this rank's part (rank 0's alone with `rank0`), then agreement across ranks."""
+def _agreed(action: Callable[[], Any], store: storage.Storage | None = None) -> None:
+    """A save phase: this rank's part (with `store`, each filesystem's lead rank's alone), then agreement
+    across ranks."""
     def part() -> None:
-        if not rank0 or dist.rank() == 0:
+        if store is None or store.leads:
             action()
 
     dist.on_every_rank(part, CheckpointError)
 
 
-def _from_rank0(action: Callable[[], Any]) -> Any:
-    """Rank 0's result of `action`, on every rank (one view of a shared folder); its failure fails all."""
-    return dist.on_every_rank(lambda: action() if dist.rank() == 0 else None, CheckpointError)[0]
+def _hashing_into(staging: Path, written: dict[str, dict[str, Any]], pool: ThreadPoolExecutor) -> Callable:
+    """A file opener for DeepSpeed's writer that keeps each file's manifest entry in `written`."""
+    class Writer(digest.HashingWriter):
+        def close(self) -> None:
+            super().close()
+            if self.path.is_relative_to(staging):
+                written[str(self.path.relative_to(staging))] = self.entry()
+
+    return lambda path: Writer(path, pool)
 
 
 def _claim(staging_root: Path, tag: str) -> str | None:

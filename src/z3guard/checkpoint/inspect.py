@@ -1,11 +1,13 @@
 """What a checkpoint folder holds and whether it verifies (for `z3guard check-checkpoint`)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import digest
 from .errors import CheckpointError
-from .manifest import MANIFEST, Manifest, listing, sha256, verify
+from .manifest import MANIFEST, Manifest, listing, verify
 
 
 @dataclass
@@ -70,16 +72,17 @@ def _inspect(path: Path, tag: str | None = None) -> Inspection:
     except CheckpointError as exc:
         return Inspection(folder, None, verdict=f"FAILED: {exc}")
     rows = []
-    for name, meta in sorted(m.files.items()):
-        p = folder / name
-        if not p.is_file():
-            rows.append(FileRow(name, meta["size"], "missing"))
-        elif p.stat().st_size != meta["size"]:
-            rows.append(FileRow(name, p.stat().st_size, "size"))
-        elif sha256(p) != meta["sha256"]:
-            rows.append(FileRow(name, meta["size"], "hash"))
-        else:
-            rows.append(FileRow(name, meta["size"], "ok"))
+    with ThreadPoolExecutor(digest.threads()) as pool:
+        for name, meta in sorted(m.files.items()):
+            p = folder / name
+            if not p.is_file():
+                rows.append(FileRow(name, meta["size"], "missing"))
+            elif p.stat().st_size != meta["size"]:
+                rows.append(FileRow(name, p.stat().st_size, "size"))
+            elif digest.mismatch(p, meta, pool):
+                rows.append(FileRow(name, meta["size"], "hash"))
+            else:
+                rows.append(FileRow(name, meta["size"], "ok"))
     rows += [FileRow(n, (folder / n).stat().st_size, "unlisted") for n in listing(folder) if n not in m.files]
     if all(r.status in ("ok", "unlisted") for r in rows):  # each listed file hashed once, above
         return Inspection(folder, m, rows, "verified", True)

@@ -1,18 +1,18 @@
 """The manifest: every file of a checkpoint with its size and sha256, and what wrote it."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dist
+from . import digest, dist
 from .errors import CheckpointError
 
 MANIFEST = "z3guard-manifest.json"
-CHUNK = 1 << 22
 
 
 @dataclass
@@ -25,7 +25,10 @@ class Manifest:
     deepspeed: str
     torch: str
     z3guard: str
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> {size, sha256}
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> {size, sha256_blocks}
+    # node-local saves: each node's disk holds its own ranks' files and a manifest of those
+    storage: int = 0
+    storages: int = 1
 
     def write(self, folder: Path) -> None:
         write_durably(folder / MANIFEST, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
@@ -40,34 +43,56 @@ class Manifest:
                                   "Load an older checkpoint, or delete the manifest to load it unverified.") from exc
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def hash_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Hash `names` with the work split across ranks (each hashes every world-th file)."""
-    def mine() -> dict[str, dict[str, Any]]:
-        return {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)}
-                for i, n in enumerate(names) if i % dist.world() == dist.rank()}
+def owner(name: str, index: int, members: list[int]) -> int:
+    """The rank among `members` (those that see the folder) that checks file `name`: the rank whose state it
+    holds (the number after "rank" in DeepSpeed's and z3guard's file names), so that each rank reads what it
+    is about to load; unnumbered files by position."""
+    found = _RANK.search(name)
+    return members[(int(found.group(1)) if found else index) % len(members)]
 
-    merged: dict[str, dict[str, Any]] = {}
-    for part in dist.on_every_rank(mine, CheckpointError):
-        merged.update(part)
-    return merged
+
+_RANK = re.compile(r"rank_?(\d+)")
 
 
 def verify(folder: Path, world_size: int | None = None, zero_stage: int | None = None,
            dtype: str | None = None) -> Manifest:
-    """Check a checkpoint folder against its manifest; raise CheckpointError on the first problem."""
+    """Check a checkpoint folder against its manifest; raise CheckpointError (on every rank) on the first
+    problem. Sizes and fields are checked by every rank; the content hashes by the ranks that see this
+    folder, each its own files, each file's blocks on several threads."""
     folder = Path(folder)
+    m, problem = None, None
+    try:
+        m = _checked(folder, world_size, zero_stage, dtype)
+    except CheckpointError as exc:
+        problem = str(exc)
+    views = dist.gather_all((problem, m.storage if m else None))
+    problems = [p for p, _ in views if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    assert m is not None
+    members = [r for r, (_, storage) in enumerate(views) if storage == m.storage]
+    names = sorted(m.files)
+    mine = [n for i, n in enumerate(names) if owner(n, i, members) == dist.rank()]
+    problem = None
+    try:
+        with ThreadPoolExecutor(digest.threads()) as pool:
+            for n in mine:
+                why = digest.mismatch(folder / n, m.files[n], pool)
+                if why:
+                    problem = f"{folder / n}: {why} (corrupted); load an older checkpoint."
+                    break
+    except OSError as exc:
+        problem = f"{folder}: cannot read it to verify: {exc}"
+    dist.raise_if_any(problem, CheckpointError)
+    return m
+
+
+def _checked(folder: Path, world_size: int | None, zero_stage: int | None, dtype: str | None) -> Manifest:
+    """The manifest, its fields against this job's, and every listed file's presence and size."""
     if not (folder / MANIFEST).exists():
         raise CheckpointError(f"{folder / MANIFEST}: missing, so {folder} cannot be verified (written without "
                               "z3guard, or not by a save that finished)")
@@ -92,11 +117,6 @@ def verify(folder: Path, world_size: int | None = None, zero_stage: int | None =
         if size != m.files[n]["size"]:
             raise CheckpointError(f"{folder / n}: {size} bytes, the manifest says {m.files[n]['size']} "
                                   "(truncated or overwritten); load an older checkpoint.")
-    hashes = hash_files(folder, sorted(m.files))
-    for n in sorted(m.files):
-        if hashes[n]["sha256"] != m.files[n]["sha256"]:
-            raise CheckpointError(f"{folder / n}: sha256 {hashes[n]['sha256'][:16]}..., the manifest says "
-                                  f"{m.files[n]['sha256'][:16]}... (corrupted); load an older checkpoint.")
     return m
 
 

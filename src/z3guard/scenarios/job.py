@@ -31,7 +31,7 @@ class Job:
     skip_at: list[int] = field(default_factory=list)  # steps whose loss is made non-finite
     spike_at: list[int] = field(default_factory=list)  # steps whose inputs are scaled x1e4: a natural overflow
     save_at: list[int] = field(default_factory=list)  # save a checkpoint after these steps
-    save_dir: str | None = None
+    save_dir: str | None = None  # "{rank}" in it is this rank's number (a folder per rank, as per node)
     save_tag: str | None = None  # default "step<N>"
     fsize_limit: int | None = None  # bytes: make writes fail as on a full disk (from the 2nd save on)
     fsize_rank: int | None = None  # only this rank's writes fail (default: every rank's)
@@ -156,7 +156,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     if job.load_dir:
         began = time.perf_counter()
         try:
-            _, client = engine.load_checkpoint(job.load_dir)
+            _, client = engine.load_checkpoint(job.load_dir.format(rank=rank))
         except RuntimeError as exc:  # z3guard's refusal (before loading anything), or stock's torn file
             result.update(load_error=str(exc), start=0, state=gathered_state(engine))
             engine.destroy()
@@ -226,8 +226,10 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                            and job.fsize_rank in (None, rank))
                 previous = limit_file_size(job.fsize_limit) if limited else None
                 try:
-                    engine.save_checkpoint(job.save_dir, tag=job.save_tag or f"step{step}",
+                    began = time.perf_counter()
+                    engine.save_checkpoint(job.save_dir.format(rank=rank), tag=job.save_tag or f"step{step}",
                                            client_state={"step": step})
+                    result.setdefault("save_seconds", {})[str(step)] = time.perf_counter() - began
                 except CheckpointError as exc:  # z3guard's: every rank failed the save alike
                     result["save_error"] = str(exc)
                     break

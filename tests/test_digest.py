@@ -1,0 +1,41 @@
+"""Block hashes taken while DeepSpeed's writer writes, and checked on several threads."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from z3guard.checkpoint import digest
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_hashes_taken_while_writing_equal_those_read_back(tmp_path, monkeypatch, legacy):
+    monkeypatch.setattr(digest, "BLOCK", 1 << 20)  # several blocks, and writes that span them
+    monkeypatch.setattr(digest, "OVERLAP", 1 << 16)
+    state = {"flat": torch.randn(700_000), "half": torch.randn(300_000).half(), "meta": [1, "x"]}
+    with ThreadPoolExecutor(2) as pool:
+        writer = digest.HashingWriter(tmp_path / "w.pt", pool)
+        torch.save(state, writer, _use_new_zipfile_serialization=not legacy)
+        writer.close()
+        entry = writer.entry()
+        loaded = torch.load(tmp_path / "w.pt", weights_only=False)
+        assert torch.equal(loaded["flat"], state["flat"]) and loaded["meta"] == state["meta"]
+        assert entry == digest.hash_files([tmp_path / "w.pt"], pool)[tmp_path / "w.pt"]
+        assert len(entry["sha256_blocks"]) == -(-entry["size"] // (1 << 20)) > 1
+        assert digest.mismatch(tmp_path / "w.pt", entry, pool) is None
+        data = bytearray((tmp_path / "w.pt").read_bytes())
+        data[(1 << 20) + 5] ^= 1
+        (tmp_path / "w.pt").write_bytes(data)
+        assert digest.mismatch(tmp_path / "w.pt", entry, pool).startswith("block 1 (bytes 1048576-2097151)")
+
+
+def test_a_manifest_with_whole_file_hashes_still_verifies(tmp_path):
+    import hashlib
+
+    (tmp_path / "f").write_bytes(b"abc" * 1000)
+    whole = {"size": 3000, "sha256": hashlib.sha256(b"abc" * 1000).hexdigest()}
+    with ThreadPoolExecutor(1) as pool:
+        assert digest.mismatch(tmp_path / "f", whole, pool) is None
+        (tmp_path / "f").write_bytes(b"abd" * 1000)
+        assert "the manifest says" in digest.mismatch(tmp_path / "f", whole, pool)
