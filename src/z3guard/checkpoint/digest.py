@@ -46,29 +46,29 @@ class HashingWriter:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        parts = []
+        parts = []  # (block hasher, bytes of that block, whether they end it)
         pos = 0
         while pos < len(view):
             take = min(BLOCK - self._filled, len(view) - pos)
-            parts.append((self._current, view[pos:pos + take]))
             self._filled += take
+            parts.append((self._current, view[pos:pos + take], self._filled == BLOCK))
             pos += take
             if self._filled == BLOCK:
                 self._blocks.append(self._current)
                 self._current, self._filled = hashlib.sha256(), 0
-        if len(view) >= OVERLAP:
-            # a block's parts arrive in order and each write waits for its own, so order holds per block
-            pending = [self._pool.submit(h.update, part) for h, part in parts]
-            self._file.write(view)
-            for f in pending:
-                f.result()
-        else:
-            for h, part in parts:
+        if len(view) < OVERLAP:
+            for h, part, _ in parts:
                 h.update(part)
             self._file.write(view)
+        else:  # hashed on other threads while written here; each block's parts in order, as each write waits
+            pending = [self._pool.submit(h.update, part) for h, part, _ in parts]
+            for _, part, ends in parts:
+                self._file.write(part)
+                if ends:
+                    self._write_back()
+            for f in pending:
+                f.result()
         self.size += len(view)
-        if self._filled < len(view) and self.size >= BLOCK:
-            self._write_back()
         return len(view)
 
     def _write_back(self) -> None:

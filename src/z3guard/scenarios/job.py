@@ -60,6 +60,7 @@ class Job:
     # ranks (grad_accum = slots / ranks) train on the same data; losses then also as the global mean
     global_batches: bool = False
     moments: bool = False  # the gathered state holds every parameter's full Adam moments too
+    keep_state: bool = True  # False: no gathered state at the end (a large model's would fill the disk)
     state_after_load: bool = False  # keep the gathered state right after load_checkpoint as well
 
     @classmethod
@@ -274,7 +275,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
         result["module_counts"] = g.trace.module_counts()
         result["forward_steps"] = g.trace.forward_steps
-    if result["crash"] is None:
+    if result["crash"] is None and job.keep_state:
         result["state"] = {**gathered_state(engine, job.moments), **read}
         result["optimizer"] = optimizer_tensors(engine)
         scaler = getattr(engine.optimizer, "loss_scaler", None)
