@@ -67,7 +67,7 @@ def verify(folder: Path, world_size: int | None = None, zero_stage: int | None =
     m, problem = None, None
     try:
         m = _checked(folder, world_size, zero_stage, dtype)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:  # a file removed while it was checked
         problem = str(exc)
     views = dist.gather_all((problem, m.storage if m else None))
     problems = [p for p, _ in views if p]
@@ -85,8 +85,8 @@ def verify(folder: Path, world_size: int | None = None, zero_stage: int | None =
                 if why:
                     problem = f"{folder / n}: {why} (corrupted); load an older checkpoint."
                     break
-    except OSError as exc:
-        problem = f"{folder}: cannot read it to verify: {exc}"
+    except (OSError, KeyError, TypeError) as exc:  # unreadable, or a manifest entry without hashes
+        problem = f"{folder}: cannot verify it: {exc!r}"
     dist.raise_if_any(problem, CheckpointError)
     return m
 

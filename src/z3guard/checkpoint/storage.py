@@ -57,6 +57,11 @@ def entries(staging: Path, store: Storage, written: dict[str, dict[str, Any]],
                        "\"checkpoint\": {\"use_node_local_storage\": true} in the DeepSpeed config, or give each "
                        "node its own path.")
             break
+        foreign = sorted(set(part) & {n for i, lead in lead_of.items() if i != index for n in seen[lead]})
+        if foreign and problem is None:
+            problem = (f"rank {r} wrote {foreign[0]} into {staging}, and another node's lead rank lists it in its own "
+                       "folder: the folders are one shared filesystem. Unset \"use_node_local_storage\" (or give "
+                       "every node the same path).")
     dist.raise_if_any(problem, CheckpointError)
     left = [n for n in names if n not in hashed]
     mine = [n for i, n in enumerate(left) if manifest.owner(n, i, list(store.members)) == dist.rank()]
