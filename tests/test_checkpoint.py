@@ -290,6 +290,8 @@ def test_a_folder_per_node_commits_each_and_resumes_exactly(runs):
         m = manifest.verify(node / "step3", world_size=2)
         assert (m.storage, m.storages) == (r, 2)
         assert m.files and all(re.search(rf"rank_?{r}\D", n) for n in m.files), sorted(m.files)
+        shown = CliRunner().invoke(app, ["check-checkpoint", str(node)])
+        assert shown.exit_code == 0 and f"{r + 1} of 2" in shown.output, shown.output
     through, resumed = run.result("through"), run.result("resumed")
     assert resumed["start"] == 3 and "load_error" not in resumed and resumed["crash"] is None
     assert resumed["losses"] and all(through["losses"][k] == v for k, v in resumed["losses"].items())

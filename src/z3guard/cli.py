@@ -297,6 +297,8 @@ def check_checkpoint(
         head = Table(title=f"{found.folder}", show_header=False)
         for key in ("tag", "global_step", "world_size", "zero_stage", "dtype", "deepspeed", "torch", "z3guard"):
             head.add_row(key, str(getattr(m, key)))
+        if m.storages > 1:
+            head.add_row("storage", f"{m.storage + 1} of {m.storages} (a node's folder: its ranks' files only)")
         console.print(head)
     files = Table(title="files")
     for col in ("file", "bytes", "status"):
