@@ -91,9 +91,8 @@ class HashingWriter:
         return self.size
 
     def close(self) -> None:
-        if self._flusher is not None:
+        if self._flusher is not None:  # only an early start: the save's closing fsync reports real failures
             self._flusher.shutdown(wait=True)
-            self._flushing.result()
         self._file.close()
 
     def entry(self) -> dict[str, Any]:
