@@ -11,7 +11,6 @@ both. Prints a table and writes bench/results/<name>.json.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 sys.path.insert(0, str(ROOT.parent))
 
-from bench.reshard import disk, machine  # noqa: E402
+from bench.reshard import disk, machine, write_record  # noqa: E402
 from z3guard.scenarios.job import Job  # noqa: E402
 from z3guard.scenarios.launch import run_jobs  # noqa: E402
 
@@ -107,9 +106,7 @@ def main(device: str = typer.Option("cpu"), nproc: int = typer.Option(2), width:
         table.add_row(label, ", ".join(map(str, times["stock"][key])), ", ".join(map(str, times["z3guard"][key])),
                       f"{ratio[key]:.3f}")
     console.print(table)
-    path = ROOT / "results" / f"{name or device + '-checkpoint-io-' + record['date']}.json"
-    path.write_text(json.dumps(record, indent=1))
-    console.print(f"written: {path.relative_to(ROOT.parent)}")
+    write_record(console, record, name or f"{device}-checkpoint-io-{record['date']}")
 
 
 if __name__ == "__main__":

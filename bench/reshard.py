@@ -123,7 +123,12 @@ def main(save_ranks: int = typer.Option(2), load_ranks: int = typer.Option(1),
         table.add_row(r["method"], f"{r['convert_s']:.1f}", f"{r['load_s']:.1f}", f"{r['extra_disk_bytes']:,}",
                       r["state"])
     console.print(table)
-    path = ROOT / "results" / f"{name or device + '-reshard-' + record['date']}.json"
+    write_record(console, record, name or f"{device}-reshard-{record['date']}")
+
+
+def write_record(console: Console, record: dict, name: str) -> None:
+    """bench/results/<name>.json, and where it went."""
+    path = ROOT / "results" / f"{name}.json"
     path.write_text(json.dumps(record, indent=1))
     console.print(f"written: {path.relative_to(ROOT.parent)}")
 

@@ -126,10 +126,10 @@ class CheckpointGuard:
             raise errors[0]
 
     # -- load --------------------------------------------------------------------------------
-    def _other_world(self, folder: Path) -> Any:
+    def _other_world(self, folder: Path, universal: bool) -> Any:
         """The saved layout, when `folder` was saved on another number of ranks and can be re-partitioned
-        here (every rank agrees, or all raise CheckpointError naming why not); None when saved on this many."""
-        universal = bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)())
+        here (every rank agrees, or all raise CheckpointError naming why not); None when saved on this many
+        or loaded as DeepSpeed's universal checkpoint."""
         saved, problem = None, None
         try:
             saved = _saved_world(folder) if self.engine.zero_optimization_stage() == 3 and not universal else None
@@ -159,14 +159,15 @@ class CheckpointGuard:
 
     def load(self, load_dir: str, tag: Any = None, **kwargs: Any):
         root = Path(load_dir)
-        tag = _agreed_tag(root, tag, bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)()))
+        universal = bool(getattr(self.engine, "load_universal_checkpoint", lambda: False)())
+        tag = _agreed_tag(root, tag, universal)
         if tag is None:  # no checkpoint there: stock's answer, (None, None) or its ValueError
             return self._load(str(root), tag=None, **kwargs)
         folder = root / tag
         _restore_replaced(root, tag)
         dist.raise_if_any(None if folder.is_dir() else f"{folder}: no such checkpoint folder (tag {tag!r}); "
                           f"checkpoints in {root}: {_checkpoint_tags(root) or 'none'}.", CheckpointError)
-        layout = self._other_world(folder)
+        layout = self._other_world(folder, universal)
         listed = dist.gather_all((folder / manifest.MANIFEST).exists())
         if all(listed):  # raises on every rank
             manifest.verify(folder, world_size=None if layout else dist.world(),
@@ -200,9 +201,9 @@ def _agreed_tag(root: Path, tag: Any, universal: bool) -> str | None:
     latest = root / ("latest_universal" if universal else "latest")
     if tag is None and latest.is_file():
         answer = latest.read_text().strip()
-    elif tag is None and not universal and _checkpoint_tags(root):
-        problem = (f"{latest}: missing, though {root} holds checkpoints {_checkpoint_tags(root)}; loading nothing "
-                   f"would silently restart from scratch. Pass tag=... or restore '{latest.name}'.")
+    elif tag is None and not universal and (tags := _checkpoint_tags(root)):
+        problem = (f"{latest}: missing, though {root} holds checkpoints {tags}; loading nothing would silently "
+                   f"restart from scratch. Pass tag=... or restore '{latest.name}'.")
     views = dist.gather_all((answer, problem))
     problems = [p for _, p in views if p]
     if problems:
