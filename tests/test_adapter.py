@@ -168,6 +168,8 @@ def test_fingerprints_read_the_code_as_written_not_its_decorators():
     ("host_threads", "8", "expected None (auto), 0 (off) or a positive number of threads, got '8'"),
     ("host_threads", -3, "got -3"),
     ("host_threads", True, "got True"),
+    ("lockstep_timeout", 0, "expected a positive number of seconds, got 0"),
+    ("lockstep_timeout", "30", "got '30'"),
 ])
 def test_bad_options_are_refused_by_name(field, value, expected):
     """Before the check, "no" turned a fast path on, -3 turned host threads off silently, and "8" failed
@@ -186,6 +188,7 @@ def test_options_from_the_environment():
     assert got == z3guard.GuardOptions(fast_paths=False, host_threads=8, strict=True, fast_block_fetch=False)
     assert from_environment("host_threads=auto").host_threads is None
     assert from_environment("host_threads=off").host_threads == 0
+    assert from_environment("lockstep_timeout=30").lockstep_timeout == 30.0
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -193,6 +196,7 @@ def test_options_from_the_environment():
     ("fast_paths=maybe", "fast_paths='maybe'; expected one of 1, on, true, yes, 0, off, false, no"),
     ("host_threads=many", "host_threads='many'; expected auto, off or a number of threads"),
     ("strict", "'strict' has no value; write strict=<value>"),
+    ("lockstep_timeout=soon", "lockstep_timeout='soon'; expected a number of seconds"),
 ])
 def test_bad_options_in_the_environment_are_refused_by_name(text, expected):
     from z3guard.options import from_environment

@@ -48,3 +48,41 @@ def test_z3guard_completes_as_with_register_external_parameter_and_the_ranks_agr
     # the read, registered on both ranks at the step boundary after rank 0 first made it
     assert [d for d in guarded["divergences"] if d["kind"] == "tracing-error"] == []
     assert any(r["param"] == "blocks.0.norm.bias" for r in guarded["reads"])
+
+
+BRANCH = dict(scenario="rank-branch", steps=6, options={"lockstep_timeout": 30})
+
+
+@pytest.fixture(scope="module")
+def runs_of_a_rank_branch(runs):
+    """Rank 0's batch at step 4 brings an image (its branch module runs), rank 1's does not. Stock under a
+    timeout: gloo aborts on the mismatched gathers, or they hang, or equal sizes pair different weights."""
+    import json
+
+    guarded = run_jobs([Job("guarded", guard=True, **BRANCH)], runs / "rank-branch", timeout=120)
+    out = runs / "rank-branch-stock"
+    try:
+        stock = run_jobs([Job("stock", **BRANCH)], out, timeout=45)
+        outcome = "completed" if stock.returncode == 0 else "crashed"
+    except LaunchError:
+        outcome = "hung"
+    progress = [json.loads(line)["step"] for line in (out / "progress.jsonl").read_text().splitlines()]
+    return guarded, outcome, progress
+
+
+def test_ranks_running_different_modules_all_stop_with_an_error_naming_the_module(runs_of_a_rank_branch):
+    """Rank 0 raises the error; rank 1, blocked in a gather that rank 0 will never join (a gloo wait cannot
+    be freed; NCCL's abort frees it and the rank raises too), prints it and is ended within seconds."""
+    guarded, stock, stock_steps = runs_of_a_rank_branch
+    assert stock in ("crashed", "hung") and stock_steps == [1, 2, 3], (stock, stock_steps)  # stuck at step 4
+    assert guarded.seconds < 60, "the ranks must stop well within the launch's timeout"
+    crash = guarded.result("guarded", 0)["crash"]
+    assert crash is not None and crash["step"] == 4 and crash["exception"] == "RankDivergenceError", crash
+    message = crash["message"]
+    assert "rank 0 ran `extra` outside the recorded order where rank 1 ran `blocks.0`'s forward" in message
+    assert "register_external_parameter" in message and "dummy input" in message
+    rank1 = (guarded.out / "guarded.rank1.json")
+    if rank1.exists():
+        assert guarded.result("guarded", 1)["crash"]["message"] == message
+    else:
+        assert f"[rank 1] {message}" in guarded.log

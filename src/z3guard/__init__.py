@@ -12,7 +12,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .diagnose import Divergence
+from .diagnose import Divergence, RankDivergenceError
 from .options import GuardOptions
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["install", "uninstall", "guard", "report", "summary", "set_data_position", "resumed_state",
-           "GuardOptions", "Divergence"]
+           "GuardOptions", "Divergence", "RankDivergenceError"]
 
 log = logging.getLogger("z3guard")
 _GUARDED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()

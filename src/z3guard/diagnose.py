@@ -11,6 +11,11 @@ from torch import nn
 log = logging.getLogger("z3guard")
 
 
+class RankDivergenceError(RuntimeError):
+    """The ranks ran different modules (or read different parameters across modules) on one step: ZeRO-3
+    cannot go on. Raised on every rank, with one message naming the module (see trace/lockstep.py)."""
+
+
 @dataclass(frozen=True)
 class Divergence:
     """One departure of a running step from the recorded ZeRO-3 trace."""

@@ -25,7 +25,7 @@ class EngineGuard:
         self.diagnostics = Diagnostics(warn=options.warn and rank0)
         undo: list[Callable[[], None]] = []
         try:  # a failure part-way undoes what was applied: never a half-guarded engine
-            self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics)
+            self.trace = TraceGuard(engine, adapter, self.names, self.diagnostics, options.lockstep_timeout)
             undo.append(self.trace.remove)
             adapter.guard_coordinator(engine, self.trace, multi_trace=options.fast_paths)
             undo.append(lambda: adapter.unguard_coordinator(engine))

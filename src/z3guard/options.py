@@ -61,6 +61,13 @@ class GuardOptions:
     to apply) instead of warning once and letting stock DeepSpeed run. For users who would rather stop
     than train unguarded."""
 
+    lockstep_timeout: float = 600.0
+    """Seconds a rank waits for the others at a point where it checks that all run the same module (a
+    recording step, an order change, a first read of a partitioned parameter). Ranks that are seen to
+    run different modules stop at once, all with one error naming the module; this bounds the wait for
+    a rank that never gets there. The default is NCCL's own collective timeout: never less patient
+    than stock."""
+
     host_threads: int | None = None
     """With `offload_optimizer` and DeepSpeedCPUAdam: OpenMP threads for the optimizer step. `None`
     (auto) replaces only torchrun's default of one thread per rank (OMP_NUM_THREADS=1 that the user did
@@ -76,6 +83,10 @@ class GuardOptions:
                 if value is not None and (type(value) is not int or value < 0):
                     raise ValueError(f"GuardOptions.host_threads: expected None (auto), 0 (off) or a positive "
                                      f"number of threads, got {value!r}")
+            elif f.name == "lockstep_timeout":
+                if type(value) not in (int, float) or not value > 0:
+                    raise ValueError(f"GuardOptions.lockstep_timeout: expected a positive number of seconds, "
+                                     f"got {value!r}")
             elif type(value) is not bool:
                 raise ValueError(f"GuardOptions.{f.name}: expected True or False, got {value!r}")
 
@@ -109,6 +120,11 @@ def _parse(name: str, raw: str) -> object:
         if raw.isdigit():
             return int(raw)
         raise ValueError(f"Z3GUARD_OPTIONS: host_threads={raw!r}; expected auto, off or a number of threads")
+    if name == "lockstep_timeout":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"Z3GUARD_OPTIONS: lockstep_timeout={raw!r}; expected a number of seconds") from None
     if raw in TRUE:
         return True
     if raw in FALSE:

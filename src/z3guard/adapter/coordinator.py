@@ -109,11 +109,14 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
             fetched_for[module.ds_id].append(position)
 
     def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
-        if self.is_complete_trace() and self.z3guard_hooks.param_divergence(current_submodule) is not None:
+        complete = self.is_complete_trace()
+        self.z3guard_hooks.before_fetch(current_submodule, forward, recording=not complete)
+        if complete and self.z3guard_hooks.param_divergence(current_submodule) is not None:
             self._invalidate_trace()  # the fetch below is then on demand, as in a recording step
         try:
             self._stock_fetch(current_submodule, forward)
         except RuntimeError as exc:
+            self.z3guard_hooks.fetch_failed(exc)  # the ranks' verdict, where they ran different modules
             if "tracing error" not in str(exc) or not self.is_complete_trace():
                 raise
             # The module's parameters are gathered already (DeepSpeed checks after the wait).

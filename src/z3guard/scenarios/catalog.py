@@ -67,6 +67,12 @@ def _token_batch(step: int, micro: int, rank: int, dtype: torch.dtype, n: int = 
     return (tokens[:, :-1],), {"step": step}, tokens[:, 1:]
 
 
+def _image_on_rank0_batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> Batch:
+    """Token batches of which rank 0's bring an image on every fourth step and rank 1's never."""
+    args, kwargs, target = _token_batch(step, micro, rank, dtype)
+    return args, {**kwargs, "image": rank == 0 and step % 4 == 0}, target
+
+
 CLIP_READS = tuple(("visual.attnpool", f"visual.attnpool.{proj}.{kind}")
                    for proj in ("q_proj", "k_proj", "v_proj", "c_proj") for kind in ("weight", "bias"))
 
@@ -97,6 +103,9 @@ SCENARIOS: dict[str, Scenario] = {
         # some steps, since each rank has its own batches.
         Scenario("rank-read", lambda: TinyLM(data_read=True), _token_batch, hidden=64, config=LM_SCALE,
                  reads=(("head", "embed.weight"), ("head", "blocks.0.norm.bias"))),
+        # A branch that rank 0's batches take on some steps and rank 1's never: ZeRO-3 cannot go on.
+        Scenario("rank-branch", lambda: TinyLM(branch=True), _image_on_rank0_batch, hidden=64, config=LM_SCALE,
+                 reads=(("head", "embed.weight"),)),
         Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64,
                  config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
                  reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),

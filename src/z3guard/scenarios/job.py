@@ -252,7 +252,10 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["crash"] = asdict(crash)
         if not crash.related:
             result["fatal"] = True
-            engine.destroy()
+            try:
+                engine.destroy()
+            except Exception:  # the group is gone (z3guard aborts it when the ranks ran different modules)
+                pass
             return result
     # Reads the scenario model saw handed an unfilled, still-gathering parameter (a race on its contents).
     result["inflight_reads"] = sum(getattr(m, "inflight_reads", 0) for m in engine.module.modules())

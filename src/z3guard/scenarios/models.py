@@ -134,7 +134,8 @@ class TinyLM(nn.Module):
     """
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
-                 side_read_every: int = 0, repeat_first: bool = False, experts: int = 0, data_read: bool = False):
+                 side_read_every: int = 0, repeat_first: bool = False, experts: int = 0, data_read: bool = False,
+                 branch: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Routed(width, experts, i) if experts else Block(width) for i in range(depth))
@@ -142,9 +143,12 @@ class TinyLM(nn.Module):
         self.skip_odd = skip_odd
         self.repeat_first = repeat_first  # the first block runs twice per step (weight sharing)
         self.data_read = data_read  # the head reads blocks[0].norm.bias when the batch's first token is even
+        self.extra = Block(width) if branch else None  # run only for batches that bring an `image`
 
-    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, step: int = 0, image: bool = False) -> torch.Tensor:
         x = self.embed(tokens)
+        if image and self.extra is not None:  # a branch for some batches: LLaVA's image tower, say
+            x = self.extra(x)
         if self.repeat_first:
             x = self.blocks[0](x)
         for i, block in enumerate(self.blocks):

@@ -72,11 +72,21 @@ def main(spec_path: str) -> int:
         (out / f"{job.name}.rank{rank}.json").write_text(json.dumps(result, indent=1))
         on_step(job.name, -1)
         if result.get("fatal"):
+            if (result.get("crash") or {}).get("exception") == "RankDivergenceError":
+                _await_results(out, job.name, world)  # every rank raised it: let each report before ending
             return 1  # the launcher ends the other ranks; the jobs after this one do not run
     _set_guard(False)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _await_results(out: Path, job: str, world: int, seconds: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and len(list(out.glob(f"{job}.rank*.json"))) < world:
+        time.sleep(0.1)
 
 
 def _set_guard(on: bool, options: dict | None = None) -> None:

@@ -9,13 +9,15 @@ from torch import nn
 from ..diagnose import CrossModuleRead, Diagnostics, Divergence, Names
 from .agreement import RankAgreement
 from .cache import Trace, TraceCache
+from .lockstep import Lockstep
 from .registration import GUARDS
 
 
 class TraceGuard:
     """Answers the guarded coordinator's questions for one engine (see `adapter.base.TraceHooks`)."""
 
-    def __init__(self, engine: Any, adapter: Any, names: Names, diagnostics: Diagnostics):
+    def __init__(self, engine: Any, adapter: Any, names: Names, diagnostics: Diagnostics,
+                 lockstep_timeout: float = 600.0):
         self.engine = engine
         self.adapter = adapter
         self.names = names
@@ -35,6 +37,7 @@ class TraceGuard:
         self._params = list(engine.module.parameters())
         self._module_index = {id(m): i for i, m in enumerate(self._modules)}
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self.lockstep = Lockstep(adapter.process_group(engine), lockstep_timeout, self._describe)
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
@@ -63,6 +66,7 @@ class TraceGuard:
     # -- TraceHooks ------------------------------------------------------------------------
     def before_reset(self) -> None:
         """Register, on every rank, every read any rank noted since the last boundary."""
+        self.lockstep.at_boundary()
         sources = {(self._module_index[id(m)], self._param_index[id(p)]): s for m, p, s in self.pending.values()
                    if id(m) in self._module_index and id(p) in self._param_index}
         self.pending.clear()
@@ -71,6 +75,34 @@ class TraceGuard:
             if not self.adapter.owns(module, param):  # stock registers a read it found partitioned itself
                 self.adapter.register_external(module, param)
             self.note_read(module, param, sources.get((mi, pi)))
+
+    def before_fetch(self, module: nn.Module, forward: bool, recording: bool) -> None:
+        event = ["fwd" if forward else "bwd", self._module_index.get(id(module), -1)]
+        if recording:  # no recorded order to leave: every fetch is checked
+            self.lockstep.agree(event)
+        else:
+            self.lockstep.note(event)
+
+    def fetch_failed(self, error: BaseException) -> None:
+        self.lockstep.raise_if_decided(error)
+
+    def before_first_read(self, running: nn.Module, param: nn.Parameter) -> None:
+        """A read of a partitioned parameter from another module: stock gathers it at once, a collective
+        that every rank must make."""
+        self.lockstep.agree(["read", self._module_index.get(id(running), -1), self._param_index.get(id(param), -1)])
+
+    def _describe(self, event: list | None) -> str:
+        if event is None:
+            return "had ended the step"
+        kind, mi, *rest = event
+        module = f"`{self.names.module(self._modules[mi])}`" if 0 <= mi < len(self._modules) else "a module"
+        if kind == "read":
+            pi = rest[0]
+            param = f"`{self.names.param(self._params[pi])}`" if 0 <= pi < len(self._params) else "a parameter"
+            return f"read {param} in {module}'s forward"
+        return {"fwd": f"ran {module}'s forward", "bwd": f"ran {module}'s backward",
+                "run": f"ran {module} outside the recorded order", "params": f"found new parameters in {module}",
+                "tracing-error": f"found {module}'s fetch out of order"}.get(kind, f"{kind} {module}")
 
     def defer_read(self, running: nn.Module, param: nn.Parameter, source: str | None) -> None:
         self.pending.setdefault((id(running), id(param)), (running, param, source))
@@ -86,6 +118,7 @@ class TraceGuard:
         now = self.adapter.module_params(module)
         if now.keys() == recorded.keys():
             return None
+        self.lockstep.agree(["params", self._module_index.get(id(module), -1)])
         added = [p for k, p in now.items() if k not in recorded]
         removed = [p for k, p in recorded.items() if k not in now]
         path = self.names.module(module)
@@ -107,6 +140,7 @@ class TraceGuard:
 
     def order_divergence(self, position: int, expected: nn.Module | None, got: nn.Module,
                          ran: tuple[nn.Module, ...] | None) -> Trace | None:
+        self.lockstep.agree(["run", self._module_index.get(id(got), -1)])
         if ran is not None:
             trace = self.cache.agreeing(ran, got)
             if trace is not None:
@@ -120,6 +154,7 @@ class TraceGuard:
         return None
 
     def on_tracing_error(self, module: nn.Module, error: RuntimeError) -> None:
+        self.lockstep.agree(["tracing-error", self._module_index.get(id(module), -1)])
         self.diagnostics.add(Divergence(
             "tracing-error", self.step, self.names.module(module),
             cause="DeepSpeed's fetch queue disagreed with the module's parameters: "

@@ -31,6 +31,8 @@ def on_read(running: nn.Module, param: nn.Parameter) -> None:
     guard.adapter.wait_if_inflight(guard.engine, param)
     if guard.adapter.owns(running, param):
         return
+    if not guard.adapter.is_gathered(param):
+        guard.before_first_read(running, param)
     guard.defer_read(running, param, _user_frame())
 
 
