@@ -44,12 +44,13 @@ class ZeroAdapter:
         original_offload_init = _po.DeepSpeedZeRoOffload.__init__
 
         def __getitem__(self, key):
+            # Any module's forward, not only inside engine.forward (stock's getter): generate() on the module,
+            # an activation-checkpoint recompute, an eval forward through the module itself.
             param = dict.__getitem__(self, key)
-            if param is not None and self._in_forward and hasattr(param, "ds_status") and _po.FWD_MODULE_STACK \
-                    and not _is_compiling():
+            if param is not None and _po.FWD_MODULE_STACK and hasattr(param, "ds_status") and not _is_compiling():
                 running = _po.FWD_MODULE_STACK[-1]
                 if running is not self._parent_module:
-                    on_read(running, param)
+                    on_read(running, param, self._in_forward)
             return original_getitem(self, key)
 
         def initialize(*args, **kwargs):
@@ -136,6 +137,12 @@ class ZeroAdapter:
 
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
         register_external_parameter(module, param)
+
+    def fetch_read(self, module: nn.Module, param: nn.Parameter) -> None:
+        """What stock's getter does for a partitioned parameter read inside engine.forward: register it with
+        the reading module (released with it) and gather it now."""
+        register_external_parameter(module, param)
+        param.all_gather()
 
     def inflight_registries(self, engine: Any) -> list[dict]:
         if not self.lifecycle.registry_on_module:

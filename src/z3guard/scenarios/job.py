@@ -217,7 +217,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
                     persistent = engine.optimizer.persistent_parameters
                     persistent[0].all_gather(param_list=persistent)
             for event in job.events.get(str(step), []):
-                _between_steps(engine, scenario, event, step, rank, dtype)
+                seen = _between_steps(engine, scenario, event, step, rank, dtype)
+                if seen:
+                    result.setdefault("event_results", {}).setdefault(str(step), {}).update(seen)
             if job.guard:
                 import z3guard
 
@@ -367,9 +369,27 @@ def _partition_padding(engine) -> dict[int, torch.Tensor]:
     return masks
 
 
-def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) -> None:
+def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) -> dict | None:
     import deepspeed
 
+    if event == "module-forward":  # as generate() runs: the module itself, outside engine.forward
+        args, kwargs, _ = scenario.make_batch(step, 0, rank, dtype)
+        args = tuple(a.to(engine.device) if torch.is_tensor(a) else a for a in args)
+        states = [m.read_states for m in engine.module.modules() if hasattr(m, "read_states")]
+        before = sum(map(len, states))
+        with torch.no_grad():
+            out = engine.module(*args, **kwargs).float().cpu()
+            seen = [s for lst in states for s in lst][before:]  # the model's side reads in this forward
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                full = engine.module(*args, **kwargs).float().cpu()
+        return {"module_forward_read_states": seen,
+                "module_forward_equal": bool(out.shape == full.shape and torch.equal(out, full))}
+    if event == "params-read":  # persistent parameters read through parameters(), outside any forward
+        persistent = [p for p in engine.module.parameters() if getattr(p, "ds_persist", False)]
+        seen = [p.detach().float().cpu().clone() for p in persistent]
+        with deepspeed.zero.GatheredParameters(persistent):
+            full = [p.detach().float().cpu().clone() for p in persistent]
+        return {"params_read_equal": all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(seen, full))}
     if event == "gathered":
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             pass
@@ -382,4 +402,5 @@ def _between_steps(engine, scenario, event: str, step: int, rank: int, dtype) ->
             engine(*(a.to(engine.device) if torch.is_tensor(a) else a for a in args), **kwargs)
         engine.train()
     else:
-        raise ValueError(f"unknown event {event!r} (expected gathered, partition or eval)")
+        raise ValueError(f"unknown event {event!r} (expected gathered, partition, eval, module-forward or params-read)")
+    return None

@@ -157,11 +157,28 @@ def run_ranks(argv: list[str], out: Path, device: str = "cpu", nproc: int = 2, t
                 time.sleep(0.2)
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_tree(proc)
     _report(progress, seen, on_progress)
     reap_orphan_shm()
     return Launch(out, proc.returncode, time.monotonic() - start, log_path.read_text(errors="replace"))
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """The launcher and every rank: torchrun starts each rank in a session of its own, out of reach of a
+    signal to the launcher's process group."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        ranks = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for rank in ranks:
+        try:
+            rank.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
 
 
 def reap_orphan_shm(min_age_s: float = 30.0) -> int:

@@ -95,6 +95,7 @@ class LMHead(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.side_read_every = side_read_every
         self.inflight_reads = 0  # side reads handed a parameter whose all-gather was still in flight
+        self.read_states: list[str] = []  # the read weight's ZeRO status at each side read
         self.data_read_steps: list[int] = []  # steps whose batch made this rank read blocks[0].norm.bias
 
     def forward(self, x: torch.Tensor, lm: "TinyLM", step: int, data_read: bool = False) -> torch.Tensor:
@@ -103,7 +104,9 @@ class LMHead(nn.Module):
             x = x + lm.blocks[0].norm.bias
         if self.side_read_every and step % self.side_read_every == 0:
             weight = lm.blocks[0].fc1.weight
-            self.inflight_reads += getattr(getattr(weight, "ds_status", None), "name", "") == "INFLIGHT"
+            state = getattr(getattr(weight, "ds_status", None), "name", "")
+            self.inflight_reads += state == "INFLIGHT"
+            self.read_states.append(state)
             x = x + weight.mean(0)
         return F.linear(self.norm(x), lm.embed.weight)
 

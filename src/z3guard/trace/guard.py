@@ -41,8 +41,12 @@ class TraceGuard:
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
+        self._engine_step = engine.step
+        engine.step = self._step
 
     def remove(self) -> None:
+        if vars(self.engine).get("step") == self._step:
+            del self.engine.step
         self._hook.remove()
         for m in self.engine.module.modules():
             GUARDS.pop(m, None)
@@ -62,6 +66,17 @@ class TraceGuard:
         if missing:
             self.adapter.gather(missing)
             self.restored += len(missing)
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        """engine.step, then persistent parameters gathered again where the step left them partitioned (a
+        skipped step: stock re-gathers them only after an applied one), so that a read between steps,
+        through `parameters()` or `state_dict()` too, sees them whole. All ranks skip together."""
+        result = self._engine_step(*args, **kwargs)
+        missing = [p for p in self.persistent if not self.adapter.is_gathered(p)]
+        if missing:
+            self.adapter.gather(missing)
+            self.restored += len(missing)
+        return result
 
     # -- TraceHooks ------------------------------------------------------------------------
     def before_reset(self) -> None:

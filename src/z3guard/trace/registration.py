@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 GUARDS: "weakref.WeakKeyDictionary[nn.Module, TraceGuard]" = weakref.WeakKeyDictionary()
 
 
-def on_read(running: nn.Module, param: nn.Parameter) -> None:
-    """Called by the adapter when `running`'s forward reads a parameter of another module."""
+def on_read(running: nn.Module, param: nn.Parameter, in_engine_forward: bool = True) -> None:
+    """Called by the adapter when `running`'s forward reads a parameter of another module. The read gets a
+    filled tensor: one in flight is waited for; a partitioned one is gathered on every rank or none
+    (lockstep.py), by stock's getter inside engine.forward and here outside it, where stock hands out
+    the empty partition (generate() on the module, a checkpointed forward's recompute)."""
     guard = GUARDS.get(running)
     if guard is None:
         return
@@ -33,6 +36,8 @@ def on_read(running: nn.Module, param: nn.Parameter) -> None:
         return
     if not guard.adapter.is_gathered(param):
         guard.before_first_read(running, param)
+        if not in_engine_forward:
+            guard.adapter.fetch_read(running, param)
     guard.defer_read(running, param, _user_frame())
 
 
