@@ -13,7 +13,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-main test-wheel test-releases test-releases-full venv clean
+.PHONY: demo test test-main test-wheel test-releases test-releases-full soak venv clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,10 @@ test-releases: $(RELEASES_STAMP)
 
 test-releases-full: $(RELEASES_STAMP)
 	$(RELEASES)/bin/python tests/releases.py --full
+
+# A nightly-size run (not in CI): 1,000 guarded steps with every hazard at once, a resume every 100 (tests/soak.py).
+soak: $(STAMP)
+	$(PY) tests/soak.py --out soak-out
 
 clean:
 	rm -rf $(VENV) $(RELEASES) $(WHEEL) dist runs

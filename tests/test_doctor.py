@@ -77,6 +77,7 @@ def test_a_run_that_fails_for_another_reason_is_named_with_its_traceback_and_exi
 @pytest.mark.parametrize("scenario,expected", [
     ("side-read", {("cross-module read", "head"), ("read on some steps", "head")}),
     ("skip-block", {("cross-module read", "head"), ("order changes", "blocks.1")}),
+    ("rank-branch", {("ranks run different modules", "extra")}),
     ("twice", {("cross-module read", "head"), ("runs more than once", "blocks.0"),
                ("runs more than once", "blocks.0.fc1"), ("runs more than once", "blocks.0.fc2"),
                ("runs more than once", "blocks.0.norm")}),

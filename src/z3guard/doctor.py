@@ -36,7 +36,8 @@ class DoctorPlan:
 
 @dataclass
 class Hazard:
-    kind: str  # cross-module read | read on some steps | order changes | runs more than once
+    kind: str  # cross-module read | read on some steps | order changes | runs more than once |
+               # ranks run different modules
     module: str
     params: list[str] = field(default_factory=list)
     persistent: list[str] = field(default_factory=list)
@@ -89,6 +90,8 @@ def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None)
                           options={"warn": False, "fast_block_fetch": False}, **common)],
                      plan.out / "observe", nproc=plan.nproc, on_progress=on_progress)
     if failure := first.failure("observe"):
+        if failure.get("exception") == "RankDivergenceError":  # z3guard stopped the ranks: a hazard, named
+            return Report(label, [_ranks_differ(failure)], {}, None, False)
         return Report(label, [], {}, None, False, failure=failure)
     seen = first.result("observe")
     pairs = sorted({(r["module"], r["param"]) for r in seen.get("reads", [])})
@@ -112,6 +115,19 @@ def run(plan: DoctorPlan, on_progress: Callable[[str, int], None] | None = None)
         verified = outcome["verify-skip"] == "ok" and outcome["verify-gathered"] == "ok"
     return Report(label, hazards, {EVENTS[k]: v for k, v in outcome.items() if k in EVENTS}, verified,
                   seen["crash"] is None and "load_error" not in seen, seen.get("module_counts", {}))
+
+
+def _ranks_differ(failure: dict) -> Hazard:
+    """The ranks ran different modules (a branch some ranks' batches take): nothing can make ZeRO-3 go on."""
+    import re
+
+    message = failure.get("message") or failure.get("summary") or ""
+    found = re.search(r"rank \d+ (?:ran|read `[^`]+` in) `([^`]+)`", message)
+    module = found.group(1) if found else "?"
+    return Hazard("ranks run different modules", module, source=message, covered_by_z3guard=False,
+                  fix=[f"run '{module}' on every rank on every step (a dummy input where a rank's batch does not "
+                       "need it, as LLaVA trainers feed dummy images), or register a parameter read across modules "
+                       "with deepspeed.zero.register_external_parameter"])
 
 
 def _outcome(result: dict) -> str:

@@ -23,8 +23,9 @@ class TraceHooks(Protocol):
                          ran: tuple[nn.Module, ...] | None) -> Any | None:
         """A recorded trace to continue on (one whose order starts with `ran` + `got`), or None."""
     def on_tracing_error(self, module: nn.Module, error: RuntimeError) -> None: ...
-    def before_fetch(self, module: nn.Module, forward: bool, recording: bool) -> None:
-        """Before any collective for `module`: where the ranks check that they all fetch it."""
+    def before_fetch(self, module: nn.Module, forward: bool, recording: bool, once: bool = False) -> None:
+        """Before any collective for `module`: where the ranks check that they all fetch it. `once`: a fetch
+        that several threads may make at once (a leaf module's backward), counted once per step."""
     def fetch_failed(self, error: BaseException) -> None:
         """A fetch raised: raise the ranks' verdict in its place, if they found they ran different modules."""
 

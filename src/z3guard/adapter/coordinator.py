@@ -5,6 +5,7 @@ below cover the lifecycles of the releases: which one an engine gets is decided 
 from __future__ import annotations
 
 import collections
+import contextlib
 
 from torch import nn
 
@@ -109,10 +110,14 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
             fetched_for[module.ds_id].append(position)
 
     def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
-        complete = self.is_complete_trace()
-        self.z3guard_hooks.before_fetch(current_submodule, forward, recording=not complete)
-        if complete and self.z3guard_hooks.param_divergence(current_submodule) is not None:
-            self._invalidate_trace()  # the fetch below is then on demand, as in a recording step
+        # A leaf module's backward hooks can run on several autograd threads at once; DeepSpeed (0.18+)
+        # serializes those fetches with a lock, and the checks and invalidation here take it too.
+        concurrent = not forward and z3_leaf_module(current_submodule)
+        with (getattr(self, P + "leaf_module_lock", None) if concurrent else None) or contextlib.nullcontext():
+            complete = self.is_complete_trace()
+            self.z3guard_hooks.before_fetch(current_submodule, forward, recording=not complete, once=concurrent)
+            if complete and self.z3guard_hooks.param_divergence(current_submodule) is not None:
+                self._invalidate_trace()  # the fetch below is then on demand, as in a recording step
         try:
             self._stock_fetch(current_submodule, forward)
         except RuntimeError as exc:

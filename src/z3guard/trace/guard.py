@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..diagnose import CrossModuleRead, Diagnostics, Divergence, Names
@@ -38,6 +39,7 @@ class TraceGuard:
         self._module_index = {id(m): i for i, m in enumerate(self._modules)}
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self.lockstep = Lockstep(adapter.process_group(engine), lockstep_timeout, self._describe)
+        self._fetched_once: list[list] = []  # leaf modules' backward fetches since the boundary
         for m in engine.module.modules():
             GUARDS[m] = self
         self._hook = engine.module.register_forward_pre_hook(self._restore_persistent, prepend=True)
@@ -45,6 +47,7 @@ class TraceGuard:
         engine.step = self._step
 
     def remove(self) -> None:
+        self.lockstep.close()
         if vars(self.engine).get("step") == self._step:
             del self.engine.step
         self._hook.remove()
@@ -82,6 +85,7 @@ class TraceGuard:
     def before_reset(self) -> None:
         """Register, on every rank, every read any rank noted since the last boundary."""
         self.lockstep.at_boundary()
+        self._fetched_once: list[list] = []
         sources = {(self._module_index[id(m)], self._param_index[id(p)]): s for m, p, s in self.pending.values()
                    if id(m) in self._module_index and id(p) in self._param_index}
         self.pending.clear()
@@ -91,8 +95,17 @@ class TraceGuard:
                 self.adapter.register_external(module, param)
             self.note_read(module, param, sources.get((mi, pi)))
 
-    def before_fetch(self, module: nn.Module, forward: bool, recording: bool) -> None:
-        event = ["fwd" if forward else "bwd", self._module_index.get(id(module), -1)]
+    def before_fetch(self, module: nn.Module, forward: bool, recording: bool, once: bool = False) -> None:
+        if not self.lockstep.active:  # one rank: nothing to agree on
+            return
+        # A forward without gradients (evaluation, generate()) is told apart: one on some ranks only (samples
+        # generated on rank 0 alone) must not pass for the others' training forward.
+        kind = ("fwd" if torch.is_grad_enabled() else "fwd-nograd") if forward else "bwd"
+        event = [kind, self._module_index.get(id(module), -1)]
+        if once:  # threads race to fetch it: the ranks may see one call or two
+            if event in self._fetched_once:
+                return
+            self._fetched_once.append(event)
         if recording:  # no recorded order to leave: every fetch is checked
             self.lockstep.agree(event)
         else:
@@ -115,7 +128,8 @@ class TraceGuard:
             pi = rest[0]
             param = f"`{self.names.param(self._params[pi])}`" if 0 <= pi < len(self._params) else "a parameter"
             return f"read {param} in {module}'s forward"
-        return {"fwd": f"ran {module}'s forward", "bwd": f"ran {module}'s backward",
+        return {"fwd": f"ran {module}'s forward", "fwd-nograd": f"ran {module}'s forward without gradients "
+                "(evaluation, generate())", "bwd": f"ran {module}'s backward",
                 "run": f"ran {module} outside the recorded order", "params": f"found new parameters in {module}",
                 "tracing-error": f"found {module}'s fetch out of order"}.get(kind, f"{kind} {module}")
 

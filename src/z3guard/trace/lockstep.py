@@ -17,12 +17,15 @@ never arrives is given `timeout` seconds.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
 import os
 import threading
 import time
+import weakref
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -35,6 +38,17 @@ POLL = 0.2  # seconds between the watcher's looks at the store
 FIRST_WAIT = 1.0  # seconds to wait for the other ranks' posts before asking where they are
 GRACE = 5.0  # seconds for a rank's main thread to raise the verdict before its process is ended
 _engines = 0  # engines given a Lockstep in this process: the same count on every rank, so the same keys
+_watching: "weakref.WeakSet[Lockstep]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_watchers() -> None:
+    """Before the interpreter (and the store's client) goes: a thread still inside a store call at exit
+    aborts the process ("terminate called without an active exception")."""
+    for lockstep in list(_watching):
+        lockstep.close()
+        if lockstep._thread is not None:
+            lockstep._thread.join(timeout=2 * POLL)
 
 
 Event = tuple  # ("fwd" | "bwd" | "read", module index[, parameter index])
@@ -54,10 +68,11 @@ class Lockstep:
         self.previous: list[list] = []  # the last boundary's
         self._consults = 0
         self._raised = False  # the main thread raised the verdict itself
+        self._closed = False
         self._stopped = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._main = threading.main_thread().ident
+        self._main = threading.get_ident()  # the thread that trains (builds the engine)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
             return
         try:
@@ -69,6 +84,7 @@ class Lockstep:
         _engines += 1
         self.rank, self.world = dist.get_rank(group), len(ranks)
         self.store = dist.PrefixStore(f"z3guard/lockstep/{_engines}/{min(ranks)}/", store)
+        self._start_watcher()  # from the start: a rank that is still far behind answers where it is
 
     @property
     def active(self) -> bool:
@@ -88,28 +104,49 @@ class Lockstep:
         self.note(event)
         if not self.active:
             return
-        self._start_watcher()
+        try:
+            self._agree(event)
+        except RankDivergenceError:
+            raise
+        except Exception as exc:  # the store failed us: go on unchecked, as stock does (fail safe)
+            log.warning("z3guard: the ranks can no longer check that they run the same modules (%s: %s)",
+                        type(exc).__name__, exc)
+            self.store = None
+
+    def _agree(self, event: list) -> None:
         c = self._consults
         self._consults += 1
         mine = json.dumps([self.boundary, len(self.events) - 1, event])
         keys = [f"c/{c}/{r}" for r in range(self.world)]
         self.store.set(keys[self.rank], mine)
         began = time.monotonic()
-        wait = FIRST_WAIT
-        while not self._posted(keys, wait):  # not every rank has posted yet: where are they?
-            self._check_verdict()
-            self._judge(time.monotonic() - began)
-            wait = POLL * 2
+        try:  # the store wakes this rank as the last key arrives: no polling on the path every step takes
+            self.store.wait(keys, timedelta(seconds=FIRST_WAIT))
+        except RuntimeError:  # not every rank has posted yet: where are they?
+            while True:
+                self._check_verdict()
+                self._judge(time.monotonic() - began)
+                if self._posted(keys, POLL * 2):
+                    break
         posted = self._get(keys)
         if any(p != mine for p in posted):
             self._judge(time.monotonic() - began, posted=[json.loads(p) for p in posted])
         if c:  # every rank is past consult c - 1 now
             self.store.delete_key(f"c/{c - 1}/{self.rank}")
 
+    def close(self) -> None:
+        """The engine is no longer guarded: the watcher stops at its next look."""
+        self._closed = True
+
     def raise_if_decided(self, cause: BaseException | None = None) -> None:
         """After a collective failed: the ranks' verdict in its place, if there is one."""
         if self.active:
-            self._check_verdict(cause)
+            try:
+                self._check_verdict(cause)
+            except RankDivergenceError:
+                raise
+            except Exception:  # no store left: the collective's own error stands
+                pass
 
     # -- deciding ---------------------------------------------------------------------------
     def _judge(self, waited: float, posted: list | None = None) -> None:
@@ -187,7 +224,8 @@ class Lockstep:
 
     def _posted(self, keys: list[str], seconds: float) -> bool:
         """Whether all `keys` are in the store within `seconds` (looked at, not waited on: a store wait
-        that runs out logs a warning in c10d, and this one runs out whenever a rank is behind)."""
+        that runs out logs a warning in c10d, and here it would run out again and again while a rank is
+        behind)."""
         deadline, pause = time.monotonic() + seconds, 0.0005
         while not self.store.check(keys):
             if time.monotonic() > deadline:
@@ -203,6 +241,7 @@ class Lockstep:
     # -- the watcher thread ------------------------------------------------------------------
     def _start_watcher(self) -> None:
         if self._thread is None:
+            _watching.add(self)
             self._thread = threading.Thread(target=self._watch, name="z3guard-lockstep", daemon=True)
             self._thread.start()
 
@@ -211,6 +250,8 @@ class Lockstep:
         try:
             while self.verdict is None:
                 time.sleep(POLL)
+                if self._closed:
+                    return
                 if self.store.check(["verdict"]):
                     self.verdict = self.store.get("verdict").decode()
                     break
