@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Ranks started directly with torchrun's rendezvous variables: torchrun's agent costs a torch import per
+# launch. Tests of launchers name theirs (torchrun, DeepSpeed's, accelerate's).
+os.environ.setdefault("Z3GUARD_LAUNCHER", "direct")
 
 from z3guard.scenarios.job import Job  # noqa: E402
 from z3guard.scenarios.launch import Launch, run_jobs  # noqa: E402

@@ -55,34 +55,29 @@ BRANCH = dict(scenario="rank-branch", steps=6, options={"lockstep_timeout": 30})
 
 @pytest.fixture(scope="module")
 def runs_of_a_rank_branch(runs):
-    """Rank 0's batch at step 4 brings an image (its branch module runs), rank 1's does not. Stock under a
-    timeout: gloo aborts on the mismatched gathers, or they hang, or equal sizes pair different weights."""
-    import json
-
+    """Rank 0's batch at step 4 brings an image (its branch module runs), rank 1's does not. Stock: the
+    ranks' gathers no longer pair; gloo's collective timeout, set to 20 s here (30 minutes by default), ends
+    the hang."""
     guarded = run_jobs([Job("guarded", guard=True, **BRANCH)], runs / "rank-branch", timeout=120)
-    out = runs / "rank-branch-stock"
-    try:
-        stock = run_jobs([Job("stock", **BRANCH)], out, timeout=45)
-        outcome = "completed" if stock.returncode == 0 else "crashed"
-    except LaunchError:
-        outcome = "hung"
-    progress = [json.loads(line)["step"] for line in (out / "progress.jsonl").read_text().splitlines()]
-    return guarded, outcome, progress
+    stock = run_jobs([Job("stock", **BRANCH)], runs / "rank-branch-stock", timeout=120,
+                     env={"Z3GUARD_COLLECTIVE_TIMEOUT": "20"})
+    return guarded, stock
 
 
 def test_ranks_running_different_modules_all_stop_with_an_error_naming_the_module(runs_of_a_rank_branch):
     """Rank 0 raises the error; rank 1, blocked in a gather that rank 0 will never join (a gloo wait cannot
     be freed; NCCL's abort frees it and the rank raises too), prints it and is ended within seconds."""
-    guarded, stock, stock_steps = runs_of_a_rank_branch
-    assert stock in ("crashed", "hung") and stock_steps == [1, 2, 3], (stock, stock_steps)  # stuck at step 4
+    guarded, stock = runs_of_a_rank_branch
+    for rank in (0, 1):
+        hung = stock.result("stock", rank)["crash"]
+        assert hung["step"] == 4 and "Timed out waiting" in hung["message"], hung
     assert guarded.seconds < 60, "the ranks must stop well within the launch's timeout"
     crash = guarded.result("guarded", 0)["crash"]
     assert crash is not None and crash["step"] == 4 and crash["exception"] == "RankDivergenceError", crash
     message = crash["message"]
     assert "rank 0 ran `extra` outside the recorded order where rank 1 ran `blocks.0`'s forward" in message
     assert "register_external_parameter" in message and "dummy input" in message
-    rank1 = (guarded.out / "guarded.rank1.json")
-    if rank1.exists():
+    if (guarded.out / "guarded.rank1.json").exists():
         assert guarded.result("guarded", 1)["crash"]["message"] == message
     else:
         assert f"[rank 1] {message}" in guarded.log

@@ -87,9 +87,14 @@ def rank_env(device: str) -> dict[str, str]:
     return env
 
 
+def default_launcher() -> str:
+    """torchrun, or what `Z3GUARD_LAUNCHER` names (the test suite starts its ranks directly)."""
+    return os.environ.get("Z3GUARD_LAUNCHER", "torchrun")
+
+
 def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
              on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
-             launcher: str = "torchrun") -> Launch:
+             launcher: str | None = None) -> Launch:
     """Run `jobs` in one fresh process group of `nproc` ranks; kill the whole group on timeout."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
@@ -100,13 +105,14 @@ def run_jobs(jobs: list[Job], out: Path, device: str = "cpu", nproc: int = 2, ti
                      launcher)
 
 
-LAUNCHERS = ("torchrun", "deepspeed")
+LAUNCHERS = ("torchrun", "deepspeed", "direct")
 
 
 def launch_command(launcher: str, nproc: int, argv: list[str], device: str = "cpu",
                    environ: Mapping[str, str] = os.environ) -> list[str]:
     """`torchrun --standalone --nproc_per_node N <argv>`, or DeepSpeed's own launcher (`deepspeed
-    --num_gpus N`), which hands ranks their place in the environment only (no `--local_rank`)."""
+    --num_gpus N`), which hands ranks their place in the environment only (no `--local_rank`). ("direct"
+    starts the ranks itself: see `run_ranks`.)"""
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
     if launcher == "deepspeed":
@@ -138,29 +144,43 @@ def _free_port() -> int:
 
 def run_ranks(argv: list[str], out: Path, device: str = "cpu", nproc: int = 2, timeout: float = 600,
               on_progress: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
-              launcher: str = "torchrun") -> Launch:
-    """A script or `-m module` on every rank of a fresh group (see `launch_command`)."""
+              launcher: str | None = None) -> Launch:
+    """A script or `-m module` on every rank of a fresh group (see `launch_command`). "direct" starts the
+    ranks here with torchrun's rendezvous variables, without its agent (a torch import less per launch),
+    and ends the others when one fails, as torchrun does."""
+    launcher = launcher or default_launcher()
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
     environ = {**rank_env(device), **(env or {})}
-    cmd = launch_command(launcher, nproc, argv, device, environ)
     log_path = out / "launch.log"
     start = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+        if launcher == "direct":
+            port = str(_free_port())
+            procs = [subprocess.Popen([sys.executable, "-u", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                      env={**environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                           "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": port}, start_new_session=True) for r in range(nproc)]
+        else:
+            procs = [subprocess.Popen(launch_command(launcher, nproc, argv, device, environ), stdout=log,
+                                      stderr=subprocess.STDOUT, env=environ, start_new_session=True)]
         seen = 0
         try:
-            while proc.poll() is None:
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode for p in procs):  # a rank failed: the others would wait for it
+                    break
                 if time.monotonic() - start > timeout:
                     raise LaunchError(f"ranks ran past {timeout:.0f} s; killed (log: {log_path})")
                 seen = _report(progress, seen, on_progress)
                 time.sleep(0.2)
         finally:
-            if proc.poll() is None:
-                _kill_tree(proc)
+            for p in procs:
+                if p.poll() is None:
+                    _kill_tree(p)
     _report(progress, seen, on_progress)
     reap_orphan_shm()
-    return Launch(out, proc.returncode, time.monotonic() - start, log_path.read_text(errors="replace"))
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return Launch(out, code, time.monotonic() - start, log_path.read_text(errors="replace"))
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -35,7 +35,10 @@ def main(spec_path: str) -> int:
         allow_fp16_on_cpu()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    # a collective timeout of the caller's: a test that expects stock to hang need not wait 30 minutes
+    timeout = os.environ.get("Z3GUARD_COLLECTIVE_TIMEOUT")
+    limit = {"timeout": __import__("datetime").timedelta(seconds=float(timeout))} if timeout else {}
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", **limit)
     rank, world = dist.get_rank(), dist.get_world_size()
     progress = out / "progress.jsonl"
 
