@@ -23,6 +23,8 @@ class Size:
             return cls(layers=4, width=64, heads=4, vocab=256, seq=32, batch=2)
         if model == "big":  # blocks of 0.8B parameters (a 70B model's layer holds 0.86B), 1 x 1024 tokens
             return cls(layers=4, width=8192, heads=64, vocab=32000, seq=1024, batch=1)
+        if model == "llama":  # Llama-shaped, 1.34B parameters, 4 x 1024 tokens
+            return cls(layers=24, width=2048, heads=16, vocab=32000, seq=1024, batch=4)
         return cls(layers=24, width=1024, heads=16, vocab=50257, seq=1024, batch=4)  # GPT-2 medium, 4 x 1024
 
 
@@ -61,6 +63,35 @@ class GPT2Like(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)  # tied output projection, read directly
 
 
+class LlamaLike(nn.Module):
+    """Llama decoder layers from transformers (multi-head attention as Llama 2 7B's, SwiGLU MLP of 2.6875x
+    the width, RMSNorm, rotary positions), an untied output projection. The layers are `h`, as GPT2Like's."""
+
+    def __init__(self, size: Size):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        config = LlamaConfig(hidden_size=size.width, intermediate_size=size.width * 43 // 16,
+                             num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                             num_key_value_heads=size.heads, vocab_size=size.vocab,
+                             max_position_embeddings=size.seq, attn_implementation="sdpa")
+        self.embed = nn.Embedding(size.vocab, size.width)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.h = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(size.layers))
+        self.norm = LlamaRMSNorm(size.width, eps=config.rms_norm_eps)
+        self.head = nn.Linear(size.width, size.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        x = self.embed(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        rotary = self.rotary(x, positions)
+        for block in self.h:
+            x = block(x, position_ids=positions, position_embeddings=rotary)
+            x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns (hidden_states, ...)
+        return self.head(self.norm(x))
+
+
 class RoutedMLP(nn.Module):
     """Top-1 routing of the whole micro-batch to one of `n` expert MLPs. The router's choice is
     agreed across ranks (ZeRO-3 needs every rank to gather the same parameters), so which expert
@@ -86,6 +117,8 @@ def make(model: str, device: str) -> tuple[nn.Module, Size]:
     size = Size.of(device, model)
     if model in ("gpt2", "big"):
         return GPT2Like(size), size
+    if model == "llama":
+        return LlamaLike(size), size
     if model == "gpt2-leaf":  # each block fetched whole: DeepSpeed's leaf-module setting, as a user sets it
         from deepspeed.utils import set_z3_leaf_modules
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
