@@ -1,6 +1,7 @@
 """Atomic, checksummed, verified checkpoints; exact resume; faults and bad input."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -198,8 +199,13 @@ def test_a_write_failing_on_one_rank_ends_stocks_run_and_only_fails_z3guards_sav
                 torch.load(root / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", weights_only=False)
 
 
+# Z3GUARD_MATRIX=full kills at every point; the main suite at one of each phase: writing, before the rename
+# that publishes, before `latest` moves.
+KILL_POINTS = POINTS if os.environ.get("Z3GUARD_MATRIX") == "full" else ("mid-data", "before-rename", "before-latest")
+
+
 def test_kill_at_every_point_of_a_save_keeps_the_previous_checkpoint(runs):
-    roots = {p: runs / f"kill-{p}" for p in POINTS}
+    roots = {p: runs / f"kill-{p}" for p in KILL_POINTS}
     for point, root in roots.items():
         killed = run_jobs([Job("save", guard=True, steps=3, save_at=[2, 3], save_dir=str(root))],
                           runs / f"kill-{point}-launch", timeout=LAUNCH_TIMEOUT,
@@ -209,7 +215,7 @@ def test_kill_at_every_point_of_a_save_keeps_the_previous_checkpoint(runs):
         manifest.verify(root / "step2", world_size=2)
     resumed = launch([Job(f"resume-{p}", guard=True, steps=4, load_dir=str(r)) for p, r in roots.items()],
                      runs / "kill-resume")
-    for point in POINTS:
+    for point in KILL_POINTS:
         res = resumed.result(f"resume-{point}")
         assert res["start"] == 2 and res["crash"] is None and "load_error" not in res, point
 
