@@ -10,8 +10,8 @@ parameter set, a fetch while the trace is being recorded, a first read of a part
 each such point, before any collective for it, the rank posts what it is about to do to the process
 group's key-value store (the one `init_process_group` made: it is served outside the ranks' collectives)
 and waits for every rank to post the same. Ranks that run the same code reach the same points, so this
-costs a few store round trips per recording step or order change, and nothing on steps that follow a
-recorded trace. When a rank is missing, every rank's watcher thread answers with the modules its rank
+costs a few store round trips per module of a recording step and per order change, and on a step that
+follows its recorded trace a note per fetch and no communication. When a rank is missing, every rank's watcher thread answers with the modules its rank
 ran this step; the first place where two ranks differ is the error, posted for all to raise. A rank that
 never arrives is given `timeout` seconds.
 """
