@@ -1,6 +1,7 @@
 """Rank entry point: `torchrun ... -m z3guard.scenarios.worker SPEC.json` runs the spec's jobs in order."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ def main(spec_path: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # a collective timeout of the caller's: a test that expects stock to hang need not wait 30 minutes
     timeout = os.environ.get("Z3GUARD_COLLECTIVE_TIMEOUT")
-    limit = {"timeout": __import__("datetime").timedelta(seconds=float(timeout))} if timeout else {}
+    limit = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", **limit)
     rank, world = dist.get_rank(), dist.get_world_size()
     progress = out / "progress.jsonl"

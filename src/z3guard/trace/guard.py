@@ -65,27 +65,27 @@ class TraceGuard:
         if self.step != self._last_forward_step:
             self._last_forward_step = self.step
             self.forward_steps += 1
-        missing = [p for p in self.persistent if not self.adapter.is_gathered(p)]
-        if missing:
-            self.adapter.gather(missing)
-            self.restored += len(missing)
+        self._gather_persistent()
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         """engine.step, then persistent parameters gathered again where the step left them partitioned (a
         skipped step: stock re-gathers them only after an applied one), so that a read between steps,
         through `parameters()` or `state_dict()` too, sees them whole. All ranks skip together."""
         result = self._engine_step(*args, **kwargs)
+        self._gather_persistent()
+        return result
+
+    def _gather_persistent(self) -> None:
         missing = [p for p in self.persistent if not self.adapter.is_gathered(p)]
         if missing:
             self.adapter.gather(missing)
             self.restored += len(missing)
-        return result
 
     # -- TraceHooks ------------------------------------------------------------------------
     def before_reset(self) -> None:
         """Register, on every rank, every read any rank noted since the last boundary."""
         self.lockstep.at_boundary()
-        self._fetched_once: list[list] = []
+        self._fetched_once.clear()
         sources = {(self._module_index[id(m)], self._param_index[id(p)]): s for m, p, s in self.pending.values()
                    if id(m) in self._module_index and id(p) in self._param_index}
         self.pending.clear()
