@@ -4,8 +4,9 @@ hashes taken while writing; on load every size and every content hash verified b
     python bench/checkpoint_io.py --device cuda --nproc 1 --width 4096 --depth 13   # ~10.5 GB, bf16 + Adam
     python bench/checkpoint_io.py --width 512 --depth 2                              # CPU smoke (gloo, 2 ranks)
 
-Each method saves twice and loads twice, in alternating order, each in a launch of its own started after
-`sync`, so that no save waits on the write-back of the one before. The loads read files
+Each method saves and loads `--repeats` times (medians reported), the order alternating between rounds,
+each in a launch of its own started after `sync`, so that no save waits on the write-back of the one
+before; that write-back is timed too, as what a save leaves for the disk. The loads read files
 the saves left in the page cache (as a resume right after a save does); a cold read from disk is slower for
 both. Prints a table and writes bench/results/<name>.json.
 """
@@ -48,65 +49,103 @@ def batch(step: int, micro: int, rank: int, dtype):
 
 
 def main(device: str = typer.Option("cpu"), nproc: int = typer.Option(2), width: int = typer.Option(512),
-         depth: int = typer.Option(2), out: Path = typer.Option(Path("runs/bench-checkpoint-io")),
+         depth: int = typer.Option(2), repeats: int = typer.Option(3, help="saves and loads of each method"),
+         out: Path = typer.Option(Path("runs/bench-checkpoint-io")),
          name: str = typer.Option(None, help="record name (default: <device>-checkpoint-io-<date>)")) -> None:
     import shutil
+    import time
 
     console = Console()
     shutil.rmtree(out, ignore_errors=True)
     env = {"Z3GUARD_BENCH_SHAPE": f"{width}x{depth}"}
     common = dict(model="bench.checkpoint_io:model", batch="bench.checkpoint_io:batch", hidden=width, dtype="bf16",
-                  construct="zero-init",
-                  keep_state=False)
+                  construct="zero-init", keep_state=False)
     dirs = {"stock": out / "stock", "z3guard": out / "z3guard"}
-    save = lambda m, tag: Job(f"save-{m}-{tag}", guard=m == "z3guard", steps=1, save_at=[1], save_tag=tag,  # noqa
-                              save_dir=str(dirs[m]), **common)
+    save = lambda m, i: Job(f"save-{m}-{i}", guard=m == "z3guard", steps=1, save_at=[1], save_tag=f"r{i}",  # noqa
+                            save_dir=str(dirs[m]), **common)
     load = lambda m, i: Job(f"load-{m}-{i}", guard=m == "z3guard", steps=1, load_dir=str(dirs[m]), **common)  # noqa
-    saves = [save("stock", "r1"), save("z3guard", "r1"), save("z3guard", "r2"), save("stock", "r2")]
-    loads = [load("stock", 1), load("z3guard", 1), load("z3guard", 2), load("stock", 2)]
-    # each save and each load in a launch of its own, started once the disk has written back what the
-    # last one left in the page cache (a process that loaded 10 GB also keeps much of it)
-    launches = []
-    for j in saves + loads:
+    # rounds in alternating order (stock first, then z3guard first, ...), saves before loads
+    order = [("stock", "z3guard")[::1 if i % 2 == 0 else -1] for i in range(repeats)]
+    jobs = [save(m, i) for i, pair in enumerate(order) for m in pair] + \
+           [load(m, i) for i, pair in enumerate(order) for m in pair]
+    # Each save and each load in a launch of its own, started once the disk has written back what the last
+    # one left in the page cache; that write-back is timed too: it is the part of a save that stock leaves
+    # to the kernel and z3guard waits for (fsync) before it calls the checkpoint committed.
+    results, writeback = {}, {}
+    for j in jobs:
+        if j.save_dir:  # one checkpoint per method on disk at a time (a 70B-size run would not fit three)
+            shutil.rmtree(Path(j.save_dir) / f"r{int(j.save_tag[1:]) - 1}", ignore_errors=True)
         os.sync()
-        launches.append(([j], run_jobs([j], out / j.name, device, nproc, timeout=3000, env=env)))
-    results = {}
-    for jobs, ran in launches:
-        failed = next((f for f in map(ran.failure, [j.name for j in jobs]) if f), None)
+        ran = run_jobs([j], out / j.name, device, nproc, timeout=3000, env=env)
+        began = time.perf_counter()
+        os.sync()
+        writeback[j.name] = time.perf_counter() - began
+        failed = ran.failure(j.name)
         if ran.returncode != 0 or failed:
             console.print(f"failed: {failed['run']} ({failed['summary']})\n{failed['traceback']}" if failed else
                           ran.log[-4000:])
             raise typer.Exit(1)
-        for j in jobs:
-            results[j.name] = [ran.result(j.name, r) for r in range(nproc)]
-    refused = [(name, res.get("save_error") or res.get("load_error")) for name, per_rank in results.items()
-               for res in per_rank if res.get("save_error") or res.get("load_error")]
-    if refused:
-        console.print(f"refused: {refused[0]}")
-        raise typer.Exit(1)
+        results[j.name] = [ran.result(j.name, r) for r in range(nproc)]
+        refused = next((res.get("save_error") or res.get("load_error") for res in results[j.name]
+                        if res.get("save_error") or res.get("load_error")), None)
+        if refused:
+            console.print(f"refused: {j.name}: {refused}")
+            raise typer.Exit(1)
     times = {}
     for m in dirs:
-        saved = [max(res["save_seconds"]["1"] for res in results[f"save-{m}-{t}"]) for t in ("r1", "r2")]
-        loaded = [max(res["load_seconds"] for res in results[f"load-{m}-{i}"]) for i in (1, 2)]
-        times[m] = {"save_s": [round(x, 3) for x in saved], "load_s": [round(x, 3) for x in loaded]}
-    size = disk(dirs["stock"] / "r2")
-    ratio = {k: statistics.mean(times["z3guard"][k]) / statistics.mean(times["stock"][k]) for k in ("save_s", "load_s")}
+        times[m] = {"save_s": [round(max(res["save_seconds"]["1"] for res in results[f"save-{m}-{i}"]), 3)
+                               for i in range(repeats)],
+                    "writeback_after_save_s": [round(writeback[f"save-{m}-{i}"], 3) for i in range(repeats)],
+                    "load_s": [round(max(res["load_seconds"] for res in results[f"load-{m}-{i}"]), 3)
+                               for i in range(repeats)]}
+    latest = dirs["z3guard"] / f"r{repeats - 1}"
+    times["z3guard"]["verify_alone_s"] = verify_alone(latest, repeats)
+    size = disk(dirs["stock"] / f"r{repeats - 1}")
+    median = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
+    ratio = {k: median["z3guard"][k] / median["stock"][k] for k in ("save_s", "load_s")}
+    synced = (median["z3guard"]["save_s"] + median["z3guard"]["writeback_after_save_s"]) / \
+        (median["stock"]["save_s"] + median["stock"]["writeback_after_save_s"])
     import deepspeed
     import torch
+
+    from z3guard.checkpoint import digest
 
     record = {"command": "python bench/checkpoint_io.py " + " ".join(sys.argv[1:]), "date": date.today().isoformat(),
               "machine": machine(device), "deepspeed": deepspeed.__version__, "torch": torch.__version__,
               "ranks": nproc, "device": device, "width": width, "depth": depth, "checkpoint_bytes": size,
-              "times": times, "z3guard_over_stock": {k: round(v, 3) for k, v in ratio.items()}}
+              "hash_threads": digest.threads(), "order": [list(p) for p in order], "times": times,
+              "median": {m: {k: round(v, 3) for k, v in t.items()} for m, t in median.items()},
+              "z3guard_over_stock": {**{k: round(v, 3) for k, v in ratio.items()},
+                                     "save_and_writeback_s": round(synced, 3)}}
     table = Table(title=f"checkpoint of {size / 1e9:.2f} GB ({nproc} rank(s), {device}, bf16 + Adam): seconds, "
-                        "two runs each")
+                        f"{repeats} runs each, median")
     for col in ("", "stock DeepSpeed", "z3guard", "z3guard / stock"):
         table.add_column(col)
-    for key, label in (("save_s", "save"), ("load_s", "load (z3guard: every hash verified)")):
-        table.add_row(label, ", ".join(map(str, times["stock"][key])), ", ".join(map(str, times["z3guard"][key])),
-                      f"{ratio[key]:.3f}")
+    show = lambda m, k: f"{median[m][k]:.2f} (" + ", ".join(map(str, times[m][k])) + ")"  # noqa: E731
+    table.add_row("save", show("stock", "save_s"), show("z3guard", "save_s"), f"{ratio['save_s']:.3f}")
+    table.add_row("write-back left after the save", show("stock", "writeback_after_save_s"),
+                  show("z3guard", "writeback_after_save_s"), "")
+    table.add_row("save + its write-back", "", "", f"{synced:.3f}")
+    table.add_row("load (z3guard: every block hash verified)", show("stock", "load_s"), show("z3guard", "load_s"),
+                  f"{ratio['load_s']:.3f}")
+    table.add_row("of which: hashes alone (z3guard check-checkpoint)", "", show("z3guard", "verify_alone_s"), "")
     console.print(table)
     write_record(console, record, name or f"{device}-checkpoint-io-{record['date']}")
+
+
+def verify_alone(folder: Path, repeats: int) -> list[float]:
+    """Seconds to verify `folder` (sizes and every block hash) in this process, the page cache warm as for
+    the loads: what verification adds to a load on one rank."""
+    import time
+
+    from z3guard.checkpoint import manifest
+
+    took = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        manifest.verify(folder)
+        took.append(round(time.perf_counter() - began, 3))
+    return took
 
 
 if __name__ == "__main__":

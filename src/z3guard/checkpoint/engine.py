@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -170,8 +171,10 @@ class CheckpointGuard:
         layout = self._other_world(folder, universal)
         listed = dist.gather_all((folder / manifest.MANIFEST).exists())
         if all(listed):  # raises on every rank
+            began = time.perf_counter()
             manifest.verify(folder, world_size=None if layout else dist.world(),
                             zero_stage=self.engine.zero_optimization_stage(), dtype=self.dtype())
+            log.info("z3guard: %s verified in %.2f s", folder, time.perf_counter() - began)
         elif any(listed):
             raise CheckpointError(f"{folder}: ranks {[r for r, x in enumerate(listed) if x]} find its "
                                   f"{manifest.MANIFEST}, ranks {[r for r, x in enumerate(listed) if not x]} do not: "
