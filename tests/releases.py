@@ -5,9 +5,10 @@ environment, swapping DeepSpeed between runs (a pure-Python install: seconds onc
 
 The main release (requirements-cpu.txt) runs the whole suite in its own environment. Here, by default (what
 CI runs), the releases of CI run the self-check and lifecycle tests (tests/test_adapter.py), and those of
-SCENARIO also the report's crash scenario (stock crashes, z3guard completes bit-identically). With --full
-(`make test-releases-full`, when a release is added or the adapter changes) every CPU-tested release runs
-them, the scenario in fp16 and bf16, the `GatheredParameters` trigger, the save/load contract and the gathers.
+SCENARIO also the report's crash scenario (stock crashes, z3guard completes bit-identically), and those of
+GENERATE generate() between training steps (tests/test_generate.py). With --full (`make
+test-releases-full`, when a release is added or the adapter changes) every CPU-tested release runs them,
+the scenario in fp16 and bf16, the `GatheredParameters` trigger, the save/load contract and the gathers.
 Each release's compiled ops are kept in ~/.cache/z3guard, so that a machine's later runs skip compiling.
 """
 from __future__ import annotations
@@ -24,10 +25,12 @@ sys.path.insert(0, str(ROOT / "src"))
 from z3guard.adapter.releases import TESTED  # noqa: E402
 
 SELF_CHECK = ["tests/test_adapter.py"]
-FULL = [*SELF_CHECK, "tests/test_matrix.py", "tests/test_contract.py", "tests/test_gather.py"]
+FULL = [*SELF_CHECK, "tests/test_matrix.py", "tests/test_contract.py", "tests/test_gather.py", "tests/test_generate.py"]
 # One release of each coordinator lifecycle beside the main one: the oldest (a coordinator per mode) and the
 # first pinned release with one coordinator for both (LLaMA-Factory's). --full runs every release.
 SCENARIO = {"0.10.3", "0.16.4"}
+# Releases where stock fails on generate() between training steps (tests/test_generate.py), in CI.
+GENERATE = {"0.16.4", "0.18.9"}
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
 DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise
@@ -47,7 +50,9 @@ def tests_for(release: str, full: bool) -> tuple[list[str], str]:
     """The test files and the matrix's case set (tests/matrix.py) for `release`."""
     if full:
         return FULL, "1"
-    return (SELF_CHECK + ["tests/test_matrix.py"] if release in SCENARIO else SELF_CHECK), "fast"
+    tests = SELF_CHECK + (["tests/test_matrix.py"] if release in SCENARIO else []) + \
+        (["tests/test_generate.py"] if release in GENERATE else [])
+    return tests, "fast"
 
 
 def run(release: str, full: bool = False) -> tuple[bool, str]:

@@ -20,7 +20,7 @@ class RankDivergenceError(RuntimeError):
 class Divergence:
     """One departure of a running step from the recorded ZeRO-3 trace."""
 
-    kind: str  # "param-set" | "order" | "tracing-error"
+    kind: str  # "param-set" | "order" | "tracing-error" | "renumbered"
     step: int  # the training step in progress (1-based, as DeepSpeed counts global steps + 1)
     module: str  # path in the model, e.g. "visual.attnpool"
     added: tuple[str, ...] = ()  # parameters the module needs now that the trace lacked
@@ -37,6 +37,7 @@ class Divergence:
             "param-set": f"module '{self.module}' needs a different parameter set than its recorded trace",
             "order": f"module '{self.module}' ran where the trace expected '{self.expected}'",
             "tracing-error": f"DeepSpeed's fetch queue disagreed with module '{self.module}'",
+            "renumbered": "the model's ZeRO-3 hooks were registered again while a trace was being recorded",
         }[self.kind]
         parts = [f"z3guard: step {self.step}: {what}"]
         if self.added:

@@ -15,8 +15,9 @@ EngineHook = Callable[[Any], None]
 class TraceHooks(Protocol):
     """What a guarded coordinator asks its guard; implemented by `z3guard.trace.TraceGuard`."""
 
-    def before_reset(self) -> None:
-        """At the step boundary, on every rank: where the ranks agree on what the next trace holds."""
+    def before_reset(self, stale: bool = False) -> bool:
+        """At the step boundary, on every rank: where the ranks agree on what the next trace holds. `stale`:
+        this rank's recording can no longer become a trace; returns whether any rank's is."""
     def on_trace_complete(self, modules: tuple[nn.Module, ...], params: tuple) -> None: ...
     def param_divergence(self, module: nn.Module) -> Any | None: ...
     def order_divergence(self, position: int, expected: nn.Module | None, got: nn.Module,

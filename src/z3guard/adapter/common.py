@@ -6,6 +6,7 @@ import contextlib
 import functools
 import inspect
 import os
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -24,6 +25,22 @@ from .lifecycle import Lifecycle
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 S3 = "_DeepSpeedZeroOptimizer_Stage3__"  # ... and of stage 3's optimizer
+# The root module of every ZeRO-3 model set up since z3guard was installed. DeepSpeed pushes each onto its
+# stack of running modules once at set-up, for good, and again when its forward runs.
+_ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _running_forward() -> nn.Module | None:
+    """The module whose forward runs now, by DeepSpeed's stack; None outside every hooked forward: only the
+    entries a set-up left are there (a read in the training loop, or in generate() while the hooks are
+    removed, as DeepSpeed's and TRL's unwrap_model_for_generation do)."""
+    stack = _po.FWD_MODULE_STACK
+    if not stack:
+        return None
+    top = stack[-1]
+    if top in _ROOTS and sum(m is top for m in stack) == 1:
+        return None
+    return top
 
 
 class ZeroAdapter:
@@ -47,9 +64,9 @@ class ZeroAdapter:
             # Any module's forward, not only inside engine.forward (stock's getter): generate() on the module,
             # an activation-checkpoint recompute, an eval forward through the module itself.
             param = dict.__getitem__(self, key)
-            if param is not None and _po.FWD_MODULE_STACK and hasattr(param, "ds_status") and not _is_compiling():
-                running = _po.FWD_MODULE_STACK[-1]
-                if running is not self._parent_module:
+            if param is not None and hasattr(param, "ds_status") and not _is_compiling():
+                running = _running_forward()
+                if running is not None and running is not self._parent_module:
                     on_read(running, param, self._in_forward)
             return original_getitem(self, key)
 
@@ -65,6 +82,7 @@ class ZeroAdapter:
                 settings.apply_defaults()
                 blockfetch.before_hooks(module, settings.arguments)
             original_offload_init(offload, module, *args, **kwargs)
+            _ROOTS.add(module)
 
         initialize.__wrapped__ = original_initialize
         self._saved = {"getitem": original_getitem, "initialize": original_initialize,

@@ -35,12 +35,22 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
     multi_trace = False
 
     def reset_step(self) -> None:
-        self.z3guard_hooks.before_reset()
+        if self.z3guard_hooks.before_reset(self.is_record_trace() and self._recording_is_stale()):
+            self._invalidate_trace()  # recorded again from this step on, as after any invalidation
         was_complete = self.is_complete_trace()
         super().reset_step()
         if self.is_complete_trace() and not was_complete:
             self.z3guard_hooks.on_trace_complete(tuple(getattr(self, P + "submodule_order")),
                                                  tuple(getattr(self, P + "param_order")))
+
+    def _recording_is_stale(self) -> bool:
+        """Whether the modules of the recording were numbered anew since it began. Hooks registered again on
+        the root (DeepSpeed's `unwrap_model_for_generation`, TRL's `add_hooks` around `generate()`) renumber
+        every module; stock then turns the recording into a trace by the new numbers, finds no fetch step
+        for them and raises `IndexError: pop from an empty deque` (releases 0.15.4 to 0.19.1)."""
+        fetched_for = getattr(self, P + "step_id_module_fetched_for")
+        recorded = collections.Counter(_zero_id(m) for m in getattr(self, P + "submodule_order"))
+        return any(len(fetched_for.get(i, ())) < n for i, n in recorded.items())
 
     def release_sub_module(self, submodule: nn.Module, *args, **kwargs) -> None:
         """While a trace is recorded, stock releases a module's persistent parameters with the rest (once
@@ -128,6 +138,11 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
             self.z3guard_hooks.on_tracing_error(current_submodule, exc)
             self._invalidate_trace()
             setattr(self, P + "step_id", getattr(self, P + "step_id") + 1)
+
+
+def _zero_id(module: nn.Module) -> int:
+    """A module's ZeRO number: `ds_id` since 0.16.4, `id` before."""
+    return getattr(module, "ds_id", getattr(module, "id", None))
 
 
 class DrainingCoordinator(GuardedCoordinator):

@@ -4,8 +4,9 @@ ZeRO-3 stays correct only while every rank issues the same gathers in the same o
 that happens on one rank only (it depends on the data) must therefore not change that rank's trace alone:
 the read is noted, and at the next step boundary (the coordinator's `reset_step`, which every rank reaches
 once per forward) the ranks exchange what they noted and every rank registers the union. The exchange is
-one all-reduce of a single number when nobody noted anything (nearly every step), over a gloo group, so
-it never waits on the GPU's queue.
+one all-reduce of two numbers when nobody noted anything (nearly every step), over a gloo group, so it
+never waits on the GPU's queue. The second number carries one more decision that all ranks must take
+together: to drop a recording that can no longer become a trace.
 """
 from __future__ import annotations
 
@@ -39,15 +40,16 @@ class RankAgreement:
             self._cpu_group_made = True
         return self.group
 
-    def union(self, local: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Every rank's `local` items, on every rank, in one order."""
+    def union(self, local: list[tuple[int, int]], flag: bool = False) -> tuple[list[tuple[int, int]], bool]:
+        """Every rank's `local` items, on every rank, in one order; and whether any rank raised `flag`."""
         if not self.active:
-            return sorted(set(local))
+            return sorted(set(local)), flag
         group = self._cpu_group()
-        count = torch.tensor([len(local)], dtype=torch.int64, device=self.device)
+        count = torch.tensor([len(local), int(flag)], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        if int(count.item()) == 0:
-            return []
+        flagged = bool(count[1].item())
+        if int(count[0].item()) == 0:
+            return [], flagged
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, local, group=group)
-        return sorted({tuple(item) for items in everyone for item in items})
+        return sorted({tuple(item) for items in everyone for item in items}), flagged

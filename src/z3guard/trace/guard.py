@@ -82,18 +82,29 @@ class TraceGuard:
             self.restored += len(missing)
 
     # -- TraceHooks ------------------------------------------------------------------------
-    def before_reset(self) -> None:
-        """Register, on every rank, every read any rank noted since the last boundary."""
+    def before_reset(self, stale: bool = False) -> bool:
+        """Register, on every rank, every read any rank noted since the last boundary; and tell whether any
+        rank's recording is stale (its modules were numbered anew since it began), so that all drop it."""
         self.lockstep.at_boundary()
         self._fetched_once.clear()
         sources = {(self._module_index[id(m)], self._param_index[id(p)]): s for m, p, s in self.pending.values()
                    if id(m) in self._module_index and id(p) in self._param_index}
         self.pending.clear()
-        for mi, pi in self.agreement.union(list(sources)):
+        reads, stale = self.agreement.union(list(sources), stale)
+        if stale:
+            self.diagnostics.add(Divergence(
+                "renumbered", self.step, "<root>",
+                cause="hooks removed and added again between steps (DeepSpeed's unwrap_model_for_generation or "
+                      "TRL's add_hooks around generate()) numbered every module anew; stock DeepSpeed 0.15.4-0.19.1 "
+                      "raises IndexError: pop from an empty deque here",
+                fix="DeepSpeed >= 0.19.2, or call the coordinator's _invalidate_trace() after adding the hooks "
+                    "(TRL >= 1.5 does)"))
+        for mi, pi in reads:
             module, param = self._modules[mi], self._params[pi]
             if not self.adapter.owns(module, param):  # stock registers a read it found partitioned itself
                 self.adapter.register_external(module, param)
             self.note_read(module, param, sources.get((mi, pi)))
+        return stale
 
     def before_fetch(self, module: nn.Module, forward: bool, recording: bool, once: bool = False) -> None:
         if not self.lockstep.active:  # one rank: nothing to agree on
