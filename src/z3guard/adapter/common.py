@@ -25,8 +25,8 @@ from .lifecycle import Lifecycle
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 S3 = "_DeepSpeedZeroOptimizer_Stage3__"  # ... and of stage 3's optimizer
-# The root module of every ZeRO-3 model set up since z3guard was installed. DeepSpeed pushes each onto its
-# stack of running modules once at set-up, for good, and again when its forward runs.
+# The root module of every guarded ZeRO-3 model. DeepSpeed pushes each onto its stack of running modules
+# once at set-up, for good, and again when its forward runs.
 _ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -82,7 +82,6 @@ class ZeroAdapter:
                 settings.apply_defaults()
                 blockfetch.before_hooks(module, settings.arguments)
             original_offload_init(offload, module, *args, **kwargs)
-            _ROOTS.add(module)
 
         initialize.__wrapped__ = original_initialize
         self._saved = {"getitem": original_getitem, "initialize": original_initialize,
@@ -286,6 +285,7 @@ class ZeroAdapter:
 
     def guard_coordinator(self, engine: Any, hooks: TraceHooks, multi_trace: bool = True) -> None:
         switch = multi_trace and speedpaths.allowed("multi_trace")
+        _ROOTS.add(self.offload(engine).module)
         for c in self.coordinators(engine):
             c.z3guard_hooks = hooks
             c.multi_trace = switch
