@@ -14,6 +14,7 @@ invalidation) and to stock where stock completes; checkpointing changes no resul
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import deepspeed
@@ -78,5 +79,10 @@ def test_z3guard_completes_with_the_results_of_a_run_that_works(runs_of, case):
     guarded = runs_of[case, "guarded"]
     assert [r["crash"] for r in guarded] == [None, None]
     assert list(guarded[0]["losses"]) == ["1", "2", "3", "4", "5"]
+    # generate() runs with the hooks removed: its reads are nobody's cross-module reads (taken for the root's,
+    # or for those of a module a checkpoint recompute left on DeepSpeed's stack, they would make that module
+    # gather the whole model first). What stays is peft's LoRA layer reading its own adapter's dtype.
+    reads = re.findall(r"^  read +(\S+) reads (\S+)", guarded[0]["summary"], re.MULTILINE)
+    assert all(reader != "<root>" and param.startswith(reader + ".lora_A.") for reader, param in reads), reads
     working = runs_of["generate", "workaround" if RENUMBERING_FAILS else "stock"]
     _same(guarded, working)  # checkpointing recomputes the same arithmetic: the same bits

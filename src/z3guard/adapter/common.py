@@ -67,7 +67,7 @@ class ZeroAdapter:
             if param is not None and hasattr(param, "ds_status") and not _is_compiling():
                 running = _running_forward()
                 if running is not None and running is not self._parent_module:
-                    on_read(running, param, self._in_forward)
+                    on_read(running, param, self._in_forward, self._parent_module)
             return original_getitem(self, key)
 
         def initialize(*args, **kwargs):
@@ -107,6 +107,12 @@ class ZeroAdapter:
 
     def is_zero3(self, engine: Any) -> bool:
         return self.offload(engine) is not None
+
+    def hooks_installed(self, engine: Any) -> bool:
+        """Whether the engine's module hooks are in place: `unwrap_model_for_generation` (DeepSpeed's, TRL's)
+        removes them around generate(), and ZeRO-3 then gathers nothing itself."""
+        hooks = getattr(self.offload(engine), "forward_hooks", None)
+        return hooks is None or bool(hooks)
 
     def process_group(self, engine: Any) -> Any:
         """The group ZeRO-3 gathers the parameters over (its data-parallel ranks); None: the world."""

@@ -22,13 +22,19 @@ if TYPE_CHECKING:
 GUARDS: "weakref.WeakKeyDictionary[nn.Module, TraceGuard]" = weakref.WeakKeyDictionary()
 
 
-def on_read(running: nn.Module, param: nn.Parameter, in_engine_forward: bool = True) -> None:
-    """Called by the adapter when `running`'s forward reads a parameter of another module. The read gets a
-    filled tensor: one in flight is waited for; a partitioned one is gathered on every rank or none
+def on_read(running: nn.Module, param: nn.Parameter, in_engine_forward: bool = True,
+            owner: nn.Module | None = None) -> None:
+    """Called by the adapter when `running`'s forward reads a parameter of another module, `owner`. The read
+    gets a filled tensor: one in flight is waited for; a partitioned one is gathered on every rank or none
     (lockstep.py), by stock's getter inside engine.forward and here outside it, where stock hands out
-    the empty partition (generate() on the module, a checkpointed forward's recompute)."""
+    the empty partition (generate() on the module, a checkpointed forward's recompute). Left alone: a read
+    across two models, and any read while the model's hooks are removed (generate() inside
+    unwrap_model_for_generation, where every weight is gathered; DeepSpeed's stack of running modules then
+    holds what it last pushed, and a checkpoint recompute that stopped early leaves entries there too)."""
     guard = GUARDS.get(running)
-    if guard is None:
+    if guard is None or (owner is not None and GUARDS.get(owner) is not guard):
+        return
+    if not guard.adapter.hooks_installed(guard.engine):
         return
     guard.note_read_step(running, param)
     guard.adapter.wait_if_inflight(guard.engine, param)
