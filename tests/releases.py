@@ -29,8 +29,9 @@ FULL = [*SELF_CHECK, "tests/test_matrix.py", "tests/test_contract.py", "tests/te
 # One release of each coordinator lifecycle beside the main one: the oldest (a coordinator per mode) and the
 # first pinned release with one coordinator for both (LLaMA-Factory's). --full runs every release.
 SCENARIO = {"0.10.3", "0.16.4"}
-# Releases where stock fails on generate() between training steps (tests/test_generate.py), in CI.
-GENERATE = {"0.16.4", "0.18.9"}
+# A release where stock fails on generate() between training steps (tests/test_generate.py), in CI; --full
+# runs it on every release.
+GENERATE = {"0.18.9"}
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
 DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise

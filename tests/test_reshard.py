@@ -21,8 +21,8 @@ from z3guard.scenarios.launch import rank_env, run_jobs
 
 from .conftest import LAUNCH_TIMEOUT
 
-# Every direction, each precision twice; Z3GUARD_MATRIX=full runs every direction in both.
-CASES = [(2, 1, "fp16"), (1, 2, "bf16"), (2, 4, "bf16"), (4, 2, "fp16")]
+# Fewer ranks and more, one precision each; Z3GUARD_MATRIX=full runs every direction in both.
+CASES = [(2, 1, "fp16"), (2, 4, "bf16")]
 if os.environ.get("Z3GUARD_MATRIX") == "full":
     CASES = [(n, m, d) for n, m in ((2, 1), (1, 2), (2, 4), (4, 2)) for d in ("fp16", "bf16")]
 
