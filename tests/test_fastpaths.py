@@ -60,16 +60,50 @@ def test_nonfinite_check_decides_fp16_buffers_from_the_sum(monkeypatch):
     assert checked == [1]  # the sum alone decided
 
 
+def test_lean_hooks_keep_stocks_behaviour_and_come_off_whole(monkeypatch):
+    """The debug print still prints when asked to, NVTX ranges stay on where a profiler injected its tool,
+    and `remove` gives every holder of `print_rank_0` DeepSpeed's function back (real DeepSpeed modules).
+    The CUDA stream lookup applies to the CUDA accelerator only: measured and run on GPUs."""
+    import sys
+
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.utils import nvtx
+
+    from z3guard.adapter import leanhooks
+
+    stock = pp.print_rank_0
+    holders = [m for m in list(sys.modules.values()) if getattr(m, "print_rank_0", None) is stock]
+    assert len(holders) >= 3  # the partitioner and its `import *` importers (coordinator, offload)
+    printed = []
+    monkeypatch.setattr(pp.dist, "get_rank", lambda *a, **k: printed.append("rank asked") or 0)
+    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(a[0]))
+    leanhooks.apply()
+    try:
+        assert all(m.print_rank_0 is not stock for m in holders) and nvtx.enable_nvtx is False
+        pp.print_rank_0("quiet")
+        pp.print_rank_0("asked for", force=True)
+        assert printed == ["rank asked", "asked for"]  # stock asks the rank on every call
+    finally:
+        leanhooks.remove()
+    assert all(m.print_rank_0 is stock for m in holders) and nvtx.enable_nvtx is True
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsight/libToolsInjection64.so")
+    leanhooks.apply()
+    try:
+        assert nvtx.enable_nvtx is True  # a profiler listens: DeepSpeed's ranges stay
+    finally:
+        leanhooks.remove()
+
+
 def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
     skips = [3, 10, 25, 26]  # one right after another too
     common = dict(steps=30, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-           "fast_fused_step": False, "fast_grad_offload": False}
+           "fast_fused_step": False, "fast_grad_offload": False, "fast_hook_calls": False}
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
-    assert {"overflow_check", "persistent_gather", "grad_offload"} <= set(fast["fast_paths"])
+    assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []
     # every gradient's norm and fp32 cast taken from the partition still on the device; the global norm
     # summed on the host at every step that was not skipped

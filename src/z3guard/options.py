@@ -46,6 +46,12 @@ class GuardOptions:
     copy there (an exact cast), and DeepSpeed's gradient accessors get them written first. Same bytes (the
     same IEEE operations in the same order); off only to compare with stock."""
 
+    fast_hook_calls: bool = True
+    """Make three lookups inside ZeRO-3's module hooks cheap: the current CUDA stream, NVTX ranges that no
+    profiler receives (left on where one is injected, as under nsys), and a debug print's rank query. The
+    hooks run about a thousand times per step, and without offload the step waits on them. No tensor is
+    touched; off only to compare with stock. See adapter/leanhooks.py."""
+
     fast_block_fetch: bool = False
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of
     module by module through hooks that cost more than the copies at transformer sizes (both offloads on

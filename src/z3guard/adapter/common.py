@@ -16,7 +16,7 @@ import deepspeed
 from deepspeed.runtime.zero import parameter_offload as _po
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
-from . import blockfetch, reshard, speedpaths
+from . import blockfetch, leanhooks, reshard, speedpaths
 from .base import EngineHook, ReadHook, TraceHooks
 from .coordinator import P, z3_leaf_module
 from .lifecycle import Lifecycle
@@ -96,6 +96,7 @@ class ZeroAdapter:
         _po.ZeROOrderedDict.__getitem__ = self._saved["getitem"]
         deepspeed.initialize = self._saved["initialize"]
         _po.DeepSpeedZeRoOffload.__init__ = self._saved["offload_init"]
+        leanhooks.remove()
         self._saved = {}
 
     # -- engine and parameters -------------------------------------------------------------
@@ -259,6 +260,9 @@ class ZeroAdapter:
         if not options.fast_paths or engine.optimizer is None or not hasattr(engine.optimizer, "parameter_offload"):
             return applied
         ok = speedpaths.allowed
+        if options.fast_hook_calls and ok("lean_hooks"):
+            leanhooks.apply()  # process-wide; undone with the global patches
+            applied.append("lean_hooks")
         return applied + fastpaths.apply(
             engine, options.fast_writeback and ok("writeback"), options.fast_overflow_check and ok("overflow_check"),
             options.host_threads if ok("host_threads") else 0, options.fast_persistent_gather and ok("persistent_gather"),
