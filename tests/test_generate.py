@@ -5,8 +5,15 @@ fails:
 
 - DeepSpeed 0.15.4-0.19.1: registering the hooks again on leaving `unwrap_model_for_generation` numbers every
   module anew, and the next training forward raises `IndexError: pop from an empty deque`;
-- DeepSpeed before 0.19.5 (from 0.15.3 at least): with non-reentrant gradient checkpointing the first
-  backward's recompute finds a LoRA layer's weights released (torch.utils.checkpoint.CheckpointError).
+- DeepSpeed before 0.19.5 (from 0.15.3 at least): with non-reentrant gradient checkpointing over the frozen
+  base weights the first backward's recompute finds a LoRA layer's weights released
+  (torch.utils.checkpoint.CheckpointError).
+
+From 0.19.5 the checkpointed case also trains peft's `modules_to_save` (a copy of the output projection).
+Before 0.19.5 stock and z3guard both fail there at the first forward (`AttributeError: 'Linear' object has
+no attribute 'ds_grads_remaining'`): peft's wrapper hands attribute reads to the module it wraps, so
+DeepSpeed takes the wrapped module's backward-hook state for the wrapper's and gives the wrapper none. That
+is hook registration, not the trace; z3guard does not change it.
 
 z3guard completes both, with results bit-identical to stock's known workaround (TRL >= 1.5's trace
 invalidation) and to stock where stock completes; checkpointing changes no result.
@@ -32,7 +39,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "generate_train.py"
 RELEASE = Version(deepspeed.__version__.split("+")[0])
 RENUMBERING_FAILS = Version("0.15.4") <= RELEASE < Version("0.19.2")
 RECOMPUTE_FAILS = RELEASE < Version("0.19.5") if RELEASE >= Version("0.15.3") else None  # older: not known
-CASES = {"generate": [], "checkpointing": ["--checkpointing"]}
+CASES = {"generate": [], "checkpointing": ["--checkpointing"] + (["--modules-to-save"] if RELEASE >= Version("0.19.5") else [])}
 
 
 @pytest.fixture(scope="module")
@@ -84,5 +91,7 @@ def test_z3guard_completes_with_the_results_of_a_run_that_works(runs_of, case):
     # gather the whole model first). What stays is peft's LoRA layer reading its own adapter's dtype.
     reads = re.findall(r"^  read +(\S+) reads (\S+)", guarded[0]["summary"], re.MULTILINE)
     assert all(reader != "<root>" and param.startswith(reader + ".lora_A.") for reader, param in reads), reads
-    working = runs_of["generate", "workaround" if RENUMBERING_FAILS else "stock"]
-    _same(guarded, working)  # checkpointing recomputes the same arithmetic: the same bits
+    if "--modules-to-save" in CASES[case]:  # another model: stock, which completes it on these releases
+        _same(guarded, runs_of[case, "stock"])
+    else:  # checkpointing recomputes the same arithmetic: the same bits as the run without it
+        _same(guarded, runs_of["generate", "workaround" if RENUMBERING_FAILS else "stock"])

@@ -1,8 +1,10 @@
 """generate() and training steps in turn, as TRL's GRPO/RLOO/online-DPO trainers run them under ZeRO-3.
 
-    generate_train.py OUT MODE [--checkpointing]   # MODE: stock | workaround | guarded; writes OUT/MODE.rank<R>.json
+    generate_train.py OUT MODE [--checkpointing] [--modules-to-save]   # MODE: stock | workaround | guarded; writes OUT/MODE.rank<R>.json
 
-A tiny Llama with peft LoRA adapters (and with --checkpointing, non-reentrant gradient checkpointing). Each step trains on a batch,
+A tiny Llama with peft LoRA adapters; with --checkpointing, non-reentrant gradient checkpointing over the
+frozen base weights; with --modules-to-save, `modules_to_save=["lm_head"]` (peft trains a copy of the
+output projection beside the frozen original). Each step trains on a batch,
 then generates inside DeepSpeed's `unwrap_model_for_generation` (hooks removed, weights gathered; on exit
 the hooks are registered again, which numbers every module anew). On DeepSpeed 0.15.4-0.19.1 the next
 training forward raises `IndexError: pop from an empty deque`. "workaround" is what TRL >= 1.5 does after
@@ -24,7 +26,7 @@ import torch
 STEPS = 5
 
 
-def main(out: Path, mode: str, checkpointing: bool) -> None:
+def main(out: Path, mode: str, checkpointing: bool, modules_to_save: bool) -> None:
     if mode == "guarded":
         import z3guard
 
@@ -44,7 +46,8 @@ def main(out: Path, mode: str, checkpointing: bool) -> None:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.enable_input_require_grads()
     model = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                          lora_dropout=0.0, task_type="CAUSAL_LM"))
+                                          lora_dropout=0.0, task_type="CAUSAL_LM",
+                                          modules_to_save=["lm_head"] if modules_to_save else None))
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(trained, lr=1e-2), model_parameters=trained,
@@ -81,6 +84,6 @@ def main(out: Path, mode: str, checkpointing: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], "--checkpointing" in sys.argv[3:])
+    main(Path(sys.argv[1]), sys.argv[2], "--checkpointing" in sys.argv[3:], "--modules-to-save" in sys.argv[3:])
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown: gloo/shm threads can abort there after a clean run
