@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import os
 import weakref
 from typing import Any, Callable, Iterator
@@ -261,8 +262,11 @@ class ZeroAdapter:
             return applied
         ok = speedpaths.allowed
         if options.fast_hook_calls and ok("lean_hooks"):
-            leanhooks.apply()  # process-wide; undone with the global patches
-            applied.append("lean_hooks")
+            try:  # process-wide; undone with the global patches
+                leanhooks.apply()
+                applied.append("lean_hooks")
+            except Exception as exc:  # this path alone stays off; the guard and the other paths go on
+                speedpaths.say_off("lean_hooks", f"here: {exc}", logging.WARNING)
         return applied + fastpaths.apply(
             engine, options.fast_writeback and ok("writeback"), options.fast_overflow_check and ok("overflow_check"),
             options.host_threads if ok("host_threads") else 0, options.fast_persistent_gather and ok("persistent_gather"),

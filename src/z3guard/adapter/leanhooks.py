@@ -62,7 +62,12 @@ def _lean_print_rank_0() -> None:
     holders = [m for m in list(sys.modules.values()) if getattr(m, "print_rank_0", None) is stock]
     for module in holders:  # its `import *` importers hold the same function
         module.print_rank_0 = print_rank_0
-    _undo.append(lambda: [setattr(m, "print_rank_0", stock) for m in holders])
+
+    def restore() -> None:
+        for module in holders:
+            module.print_rank_0 = stock
+
+    _undo.append(restore)
 
 
 def _lean_nvtx() -> None:
