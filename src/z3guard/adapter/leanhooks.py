@@ -59,8 +59,9 @@ def _lean_print_rank_0() -> None:
         if debug or force:  # stock prints on rank 0 only when one of them is set
             stock(message, debug=debug, force=force)
 
-    holders = [m for m in list(sys.modules.values()) if getattr(m, "print_rank_0", None) is stock]
-    for module in holders:  # its `import *` importers hold the same function
+    # its `import *` importers hold the same function (module dicts read directly: no lazy module's __getattr__)
+    holders = [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("print_rank_0") is stock]
+    for module in holders:
         module.print_rank_0 = print_rank_0
 
     def restore() -> None:
