@@ -12,7 +12,7 @@ from torch import nn
 import deepspeed
 import z3guard
 from z3guard import adapter
-from z3guard.adapter import contract, fingerprint, lifecycle, releases, speedpaths
+from z3guard.adapter import contract, fingerprint, leanhooks, lifecycle, releases, speedpaths
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +20,7 @@ def fresh_state():
     """Every test starts and ends with nothing installed and nothing cached about the installed code."""
     def clear():
         z3guard.uninstall()
+        leanhooks.remove()  # process-wide; a test below applies the speed paths without installing
         adapter.load.cache_clear()
         speedpaths.current.cache_clear()
         speedpaths.say_off.cache_clear()

@@ -92,12 +92,12 @@ class ZeroAdapter:
         _po.DeepSpeedZeRoOffload.__init__ = offload_init
 
     def unpatch_globals(self) -> None:
+        leanhooks.remove()
         if not self._saved:
             return
         _po.ZeROOrderedDict.__getitem__ = self._saved["getitem"]
         deepspeed.initialize = self._saved["initialize"]
         _po.DeepSpeedZeRoOffload.__init__ = self._saved["offload_init"]
-        leanhooks.remove()
         self._saved = {}
 
     # -- engine and parameters -------------------------------------------------------------
