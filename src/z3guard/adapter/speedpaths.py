@@ -75,7 +75,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "overflow_check": {"37519872ec8c91ed": ("0.19.8",)},
     "persistent_gather": {"e35f20b122fce0ca": ("0.19.8",)},
     "host_threads": {"41e71924906e0aff": ("0.19.8",)},
-    "lean_hooks": {"15d80a777cc6e8a4": ("0.19.8",)},
+    "lean_hooks": {"15d80a777cc6e8a4": ("0.19.5", "0.19.8")},
 }
 
 
