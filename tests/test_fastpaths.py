@@ -72,7 +72,7 @@ def test_lean_hooks_keep_stocks_behaviour_and_come_off_whole(monkeypatch):
     from z3guard.adapter import leanhooks
 
     stock = pp.print_rank_0
-    holders = [m for m in list(sys.modules.values()) if getattr(m, "print_rank_0", None) is stock]
+    holders = [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("print_rank_0") is stock]
     assert len(holders) >= 3  # the partitioner and its `import *` importers (coordinator, offload)
     printed = []
     monkeypatch.setattr(pp.dist, "get_rank", lambda *a, **k: printed.append("rank asked") or 0)

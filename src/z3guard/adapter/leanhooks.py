@@ -30,10 +30,6 @@ _PARTITIONER = "deepspeed.runtime.zero.partition_parameters"
 _undo: list[Callable[[], None]] = []
 
 
-def applied() -> bool:
-    return bool(_undo)
-
-
 def apply() -> None:
     """Make the three lookups cheap, once per process (idempotent)."""
     if _undo:
