@@ -78,8 +78,13 @@ def main(out: Path, mode: str, checkpointing: bool, modules_to_save: bool) -> No
         result["crash"] = f"{type(exc).__name__}: {exc}"
     if mode == "guarded":
         result["summary"] = z3guard.summary(engine)
-    with deepspeed.zero.GatheredParameters(trained):
-        result["adapters"] = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes() for p in trained)).hexdigest()
+    # The trained weights as the optimizer holds them, one blocking gather each: before 0.19 the persistent
+    # parameters' coalesced all-gather after a step waits for its last gloo all-gather only, so reading them
+    # right after the last step could catch one still being written (stock and z3guard alike).
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = [safe_get_full_fp32_param(p).detach().float() for p in trained]
+    result["adapters"] = hashlib.sha256(b"".join(m.numpy().tobytes() for m in masters)).hexdigest()
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(result))
 
 
