@@ -44,10 +44,10 @@ def test_stock_behaviour(matrix, case):
     crash = stock["crash"]
     assert crash is not None, "stock DeepSpeed was expected to crash"
     assert crash["step"] == crash_step
-    assert crash["message"].startswith("tracing error")
     assert case.stock_message in crash["message"]
-    assert crash["module"] == case.stock_module
-    assert tuple(crash["params"]) == case.stock_params
+    if crash["message"].startswith("tracing error"):
+        assert crash["module"] == case.stock_module
+        assert tuple(crash["params"]) == case.stock_params
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -75,12 +75,13 @@ def test_prevention_leaves_nothing_to_recover(matrix, case):
     assert read >= set(f"visual.attnpool.{p}_proj.{k}" for p in "qkvc" for k in ("weight", "bias"))
 
 
-LM = {c.id for c in CASES if not c.job.get("scenario", "clip").startswith("clip")}
-needs_lm = pytest.mark.skipif(not LM, reason="LM cases run on DeepSpeed >= 0.15 only (see matrix.cases_for)")
+def needs(*ids: str):
+    return pytest.mark.skipif(not set(ids) <= {c.id for c in CASES}, reason="not among this run's cases (matrix.cases_for)")
 
 
-@needs_lm
-@pytest.mark.parametrize("case, step", [("read-on-some-steps", 3), ("read-while-prefetched", 4)])
+@needs("read-on-some-steps", "read-while-prefetched", "gathered-parameters-in-forward")
+@pytest.mark.parametrize("case, step", [("read-on-some-steps", 3), ("read-while-prefetched", 4),
+                                        ("gathered-parameters-in-forward", 4)])
 def test_late_read_is_recovered_and_named(matrix, case, step):
     """The read at step 3 changes the head's parameter set where it is registered: at once when stock's own
     getter registers it (the weight partitioned, no prefetch), at the next step's start when z3guard does
@@ -92,7 +93,7 @@ def test_late_read_is_recovered_and_named(matrix, case, step):
     assert d["fix"] == "deepspeed.zero.register_external_parameter(model.head, model.blocks[0].fc1.weight)"
 
 
-@needs_lm
+@needs("module-order-changes")
 def test_order_change_is_reported_once_per_distinct_divergence(matrix):
     guarded = matrix[1].result("module-order-changes-guarded")
     kinds = {(d["kind"], d["module"], d["expected"]) for d in guarded["divergences"]}

@@ -6,8 +6,8 @@ from typing import Any, Callable, ContextManager, Protocol
 from torch import nn
 
 # Called as on_read(running_module, param, in_engine_forward, owner) when a module's forward reads a
-# parameter owned by another module (`owner`).
-ReadHook = Callable[[nn.Module, nn.Parameter, bool, nn.Module], None]
+# parameter owned by another module (`owner`); returns whether the read was taken (the parameter filled).
+ReadHook = Callable[[nn.Module, nn.Parameter, bool, nn.Module], bool]
 # Called with every engine deepspeed.initialize creates.
 EngineHook = Callable[[Any], None]
 

@@ -17,7 +17,7 @@ import deepspeed
 from deepspeed.runtime.zero import parameter_offload as _po
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
-from . import blockfetch, leanhooks, reshard, speedpaths
+from . import blockfetch, gathered, leanhooks, reshard, speedpaths
 from .base import EngineHook, ReadHook, TraceHooks
 from .coordinator import P, z3_leaf_module
 from .lifecycle import Lifecycle
@@ -84,9 +84,13 @@ class ZeroAdapter:
                 blockfetch.before_hooks(module, settings.arguments)
             original_offload_init(offload, module, *args, **kwargs)
 
+        def read_in_forward(param) -> bool:  # a GatheredParameters context entered inside a forward
+            running = _running_forward()
+            return running is not None and on_read(running, param, True, None)
+
         initialize.__wrapped__ = original_initialize
         self._saved = {"getitem": original_getitem, "initialize": original_initialize,
-                       "offload_init": original_offload_init}
+                       "offload_init": original_offload_init, "gathered": gathered.patch(read_in_forward)}
         _po.ZeROOrderedDict.__getitem__ = __getitem__
         deepspeed.initialize = initialize
         _po.DeepSpeedZeRoOffload.__init__ = offload_init
@@ -98,6 +102,7 @@ class ZeroAdapter:
         _po.ZeROOrderedDict.__getitem__ = self._saved["getitem"]
         deepspeed.initialize = self._saved["initialize"]
         _po.DeepSpeedZeRoOffload.__init__ = self._saved["offload_init"]
+        self._saved["gathered"]()
         self._saved = {}
 
     # -- engine and parameters -------------------------------------------------------------

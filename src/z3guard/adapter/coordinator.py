@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+from typing import Any, Callable
 
 from torch import nn
 
@@ -19,9 +21,26 @@ except ImportError:  # before 0.13 there were no leaf modules
         return False
 
 from .base import TraceHooks
+from .fingerprint import parameters
 
 P = "_PartitionedParameterCoordinator__"  # name-mangled private state of the coordinator
 KEEP = -7_919  # in a persistent parameter's ds_active_sub_modules while its module is released: kept
+
+
+def release_of(coordinator: Any) -> Callable[[nn.Parameter], None]:
+    """The coordinator's release of one parameter (partitioned unless a running module holds it). Before
+    0.13 it also takes `backward`, which partition() ignores there."""
+    release = getattr(coordinator, P + "release_param")
+    if "backward" in _release_parameters():
+        return functools.partial(release, backward=False)
+    return release
+
+
+@functools.cache
+def _release_parameters() -> list[str]:
+    """Read from the source as written: DeepSpeed's nvtx wrapper hides the signature."""
+    return parameters("deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator."
+                      "__release_param")
 
 
 class GuardedCoordinator(PartitionedParameterCoordinator):
@@ -102,7 +121,7 @@ class GuardedCoordinator(PartitionedParameterCoordinator):
             del recent[param]  # prefetch bookkeeping of the abandoned trace's future
         needed = {e.param for e in queue}
         registry = getattr(self, P + "inflight_param_registry")
-        release = getattr(self, P + "release_param")
+        release = release_of(self)
         for param in [p for p in registry if p not in needed]:  # prefetched in vain: released at once
             registry.pop(param).wait()
             release(param)
@@ -152,7 +171,7 @@ class DrainingCoordinator(GuardedCoordinator):
     def _invalidate_trace(self) -> None:
         super()._invalidate_trace()
         registry = getattr(self, P + "inflight_param_registry")
-        release = getattr(self, P + "release_param")
+        release = release_of(self)
         for param, handle in list(registry.items()):
             handle.wait()
             del registry[param]

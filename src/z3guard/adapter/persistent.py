@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .common import P
+from .coordinator import release_of
 
 
 PATCHED = ("_post_step", "_partition_all_parameters")  # set by apply
@@ -97,7 +98,7 @@ def _partition_all_parameters(self) -> None:
     offload = self.parameter_offload
     coordinator = offload.get_param_coordinator()
     inflight = getattr(coordinator, P + "inflight_param_registry")
-    release = getattr(coordinator, P + "release_param")
+    release = release_of(coordinator)
     kept = 0
     for param in iter_params(offload.module, recurse=True):
         if param in inflight:

@@ -93,6 +93,11 @@ SCENARIOS: dict[str, Scenario] = {
                  reads=(("head", "embed.weight"),)),
         Scenario("skip-block", lambda: TinyLM(skip_odd=True), _token_batch, hidden=64, config=LM_SCALE,
                  reads=(("head", "embed.weight"),)),
+        # The middle block is left out on every fourth step only: the trace is complete by then and has
+        # prefetched the block's weights, which that step never uses.
+        Scenario("skip-sometimes", lambda: TinyLM(skip_every=4), _token_batch, hidden=64,
+                 config={**LM_SCALE, "zero_optimization": {"stage3_prefetch_bucket_size": 10**6}},
+                 reads=(("head", "embed.weight"),)),
         Scenario("moe", lambda: TinyLM(experts=4, depth=4), _token_batch, hidden=64, config=LM_SCALE,
                  reads=(("head", "embed.weight"),)),
         # Reuse distance 0: a weight is released after each use, so the late read finds it partitioned.
@@ -108,6 +113,10 @@ SCENARIOS: dict[str, Scenario] = {
                  reads=(("head", "embed.weight"),)),
         Scenario("side-read", lambda: TinyLM(side_read_every=3), _token_batch, hidden=64,
                  config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
+                 reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
+        # The same read, made inside `deepspeed.zero.GatheredParameters` in the head's forward.
+        Scenario("gathered-read", lambda: TinyLM(side_read_every=3, side_read_gathered=True), _token_batch,
+                 hidden=64, config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
                  reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
     ]
 }

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # What ZeRO-3's parameter coordinator raises when a step's module or parameter order leaves the recorded
-# trace, and what ranks that gather different parameters run into.
+# trace, what ranks that gather different parameters run into, and what a parameter that the coordinator
+# prefetched raises when other code partitions it (GatheredParameters inside a forward).
 TRACE_FAILURES = ("tracing error", "still have inflight params", "pop from an empty deque",
-                  "ZeroParamStatus", "ds_status", "data size doesn't match")
+                  "ZeroParamStatus", "ds_status", "data size doesn't match", "Cannot partition a param in flight")
 
 _LIBRARY_ROOTS = tuple({str(Path(p).resolve()) for p in (sysconfig.get_paths()["stdlib"],
                                                          sysconfig.get_paths()["purelib"],

@@ -90,10 +90,11 @@ class LMHead(nn.Module):
     a cross-module read that happens only on some batches.
     """
 
-    def __init__(self, width: int, side_read_every: int = 0):
+    def __init__(self, width: int, side_read_every: int = 0, side_read_gathered: bool = False):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.side_read_every = side_read_every
+        self.side_read_gathered = side_read_gathered  # the side read inside deepspeed.zero.GatheredParameters
         self.inflight_reads = 0  # side reads handed a parameter whose all-gather was still in flight
         self.read_states: list[str] = []  # the read weight's ZeRO status at each side read
         self.data_read_steps: list[int] = []  # steps whose batch made this rank read blocks[0].norm.bias
@@ -107,7 +108,13 @@ class LMHead(nn.Module):
             state = getattr(getattr(weight, "ds_status", None), "name", "")
             self.inflight_reads += state == "INFLIGHT"
             self.read_states.append(state)
-            x = x + weight.mean(0)
+            if self.side_read_gathered:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([weight]):
+                    x = x + weight.mean(0)
+            else:
+                x = x + weight.mean(0)
         return F.linear(self.norm(x), lm.embed.weight)
 
 
@@ -138,12 +145,13 @@ class TinyLM(nn.Module):
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
                  side_read_every: int = 0, repeat_first: bool = False, experts: int = 0, data_read: bool = False,
-                 branch: bool = False):
+                 branch: bool = False, skip_every: int = 0, side_read_gathered: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Routed(width, experts, i) if experts else Block(width) for i in range(depth))
-        self.head = LMHead(width, side_read_every)
+        self.head = LMHead(width, side_read_every, side_read_gathered)
         self.skip_odd = skip_odd
+        self.skip_every = skip_every  # the middle block is left out on steps that this divides
         self.repeat_first = repeat_first  # the first block runs twice per step (weight sharing)
         self.data_read = data_read  # the head reads blocks[0].norm.bias when the batch's first token is even
         self.extra = Block(width) if branch else None  # run only for batches that bring an `image`
@@ -155,7 +163,8 @@ class TinyLM(nn.Module):
         if self.repeat_first:
             x = self.blocks[0](x)
         for i, block in enumerate(self.blocks):
-            if self.skip_odd and i == len(self.blocks) // 2 and step % 2 == 1:
+            middle = i == len(self.blocks) // 2
+            if middle and (self.skip_odd and step % 2 == 1 or self.skip_every and step % self.skip_every == 0):
                 continue
             x = block(x, step) if isinstance(block, Routed) else block(x)
         return self.head(x, self, step, self.data_read and int(tokens[0, 0]) % 2 == 0)

@@ -23,28 +23,30 @@ GUARDS: "weakref.WeakKeyDictionary[nn.Module, TraceGuard]" = weakref.WeakKeyDict
 
 
 def on_read(running: nn.Module, param: nn.Parameter, in_engine_forward: bool = True,
-            owner: nn.Module | None = None) -> None:
+            owner: nn.Module | None = None) -> bool:
     """Called by the adapter when `running`'s forward reads a parameter of another module, `owner`. The read
     gets a filled tensor: one in flight is waited for; a partitioned one is gathered on every rank or none
     (lockstep.py), by stock's getter inside engine.forward and here outside it, where stock hands out
     the empty partition (generate() on the module, a checkpointed forward's recompute). Left alone: a read
     across two models, and any read while the model's hooks are removed (generate() inside
     unwrap_model_for_generation, where every weight is gathered; DeepSpeed's stack of running modules then
-    holds what it last pushed, and a checkpoint recompute that stopped early leaves entries there too)."""
+    holds what it last pushed, and a checkpoint recompute that stopped early leaves entries there too).
+    Returns whether the read was taken (the parameter is then filled and the coordinator's to release)."""
     guard = GUARDS.get(running)
     if guard is None or (owner is not None and GUARDS.get(owner) is not guard):
-        return
+        return False
     if not guard.adapter.hooks_installed(guard.engine):
-        return
+        return False
     guard.note_read_step(running, param)
     guard.adapter.wait_if_inflight(guard.engine, param)
     if guard.adapter.owns(running, param):
-        return
+        return True
     if not guard.adapter.is_gathered(param):
         guard.before_first_read(running, param)
         if not in_engine_forward:
             guard.adapter.fetch_read(running, param)
     guard.defer_read(running, param, _user_frame())
+    return True
 
 
 def _user_frame() -> str | None:

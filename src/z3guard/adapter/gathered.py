@@ -1,0 +1,36 @@
+"""`deepspeed.zero.GatheredParameters` entered inside a module's forward.
+
+Stock gathers the parameters that are partitioned when it is entered and, on leaving, partitions every
+parameter it was given. Inside a forward some of them belong to the coordinator at that moment: prefetched
+for a later module (stock hands out the unfilled all-gather buffer, then raises "Cannot partition a param
+in flight"), or fetched for a module that is running (stock frees them under it). Here, while a guarded
+forward runs and nothing is to be broadcast (`modifier_rank=None`), such parameters are taken as that
+forward's own reads (one in flight is waited for) and left to the coordinator; the context gathers and
+partitions the others, as stock does. Outside a forward, and with a `modifier_rank`, it is stock's."""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from torch import nn
+
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+
+
+def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]:
+    """Patch `GatheredParameters.__enter__`; returns what restores it. `read_in_forward(param)`: the read of
+    a gathered or in-flight parameter by the forward that runs now, filled on return; False where no guarded
+    forward runs."""
+    original = GatheredParameters.__enter__
+
+    @functools.wraps(original)
+    def __enter__(self):
+        if getattr(self, "enabled", False) and getattr(self, "src_rank", 0) is None:
+            held = {id(p) for p in self.params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and read_in_forward(p)}
+            if held:
+                self.params = [p for p in self.params if id(p) not in held]
+                self.enabled = bool(self.params)
+        return original(self)
+
+    GatheredParameters.__enter__ = __enter__
+    return lambda: setattr(GatheredParameters, "__enter__", original)
