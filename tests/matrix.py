@@ -72,9 +72,10 @@ LM_CASES = [
     # wrong loss at step 3, skipped steps after) whenever the read beats the gather.
     Case("read-while-prefetched", {"scenario": "side-read"}, resume=False, skip_at=(), stock_crash_step=None,
          stock_reads_inflight=True, reference={"preregister": True}),
-    # The same read inside `GatheredParameters` in the head's forward: stock hands out the weight in flight
-    # and raises on leaving the context (with the read registered by hand it frees the weight under the
-    # running head and raises too). The workaround: read it plainly, registered by hand.
+    # The same read through named_parameters(), inside `GatheredParameters` over the block in the head's
+    # forward: stock hands out the weight in flight and raises on leaving the context (with the read
+    # registered by hand it frees the weight under the running head and raises too). The workaround: read
+    # it plainly, registered by hand.
     Case("gathered-parameters-in-forward", {"scenario": "gathered-read"}, resume=False, skip_at=(), stock_crash_step=3,
          stock_message="Cannot partition a param in flight",
          reference={"scenario": "side-read", "preregister": True}),

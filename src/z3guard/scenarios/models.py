@@ -108,11 +108,11 @@ class LMHead(nn.Module):
             state = getattr(getattr(weight, "ds_status", None), "name", "")
             self.inflight_reads += state == "INFLIGHT"
             self.read_states.append(state)
-            if self.side_read_gathered:
+            if self.side_read_gathered:  # the whole block gathered, its weight read through named_parameters()
                 import deepspeed
 
-                with deepspeed.zero.GatheredParameters([weight]):
-                    x = x + weight.mean(0)
+                with deepspeed.zero.GatheredParameters(list(lm.blocks[0].parameters())):
+                    x = x + dict(lm.blocks[0].named_parameters())["fc1.weight"].mean(0)
             else:
                 x = x + weight.mean(0)
         return F.linear(self.norm(x), lm.embed.weight)
