@@ -88,15 +88,17 @@ LM_CASES = [
          reference={"config": {"zero_optimization": {"stage3_prefetch_bucket_size": 0}}}),
 ]
 
-RELEASE_CASES = {"resume-skip-fp16", "resume-skip-bf16", "gathered-parameters", "prefetched-block-not-run"}
+RELEASE_CASES = {"resume-skip-fp16", "resume-skip-bf16", "gathered-parameters", "prefetched-block-not-run",
+                 "gathered-parameters-in-forward"}
 # The main suite's default: one case of each kind of trigger, workaround and read. Z3GUARD_MATRIX=full runs
 # every case (when the crash fix or the adapter changes).
 MAIN_CASES = {"resume-skip-fp16", "resume-skip-bf16", "skip-first-step-after-resume", "gathered-parameters",
               "eval-between-steps", "grad-accum-2", "ckpt-non-reentrant", "prefetch-0",
               "workaround-register-external", "read-on-some-steps", "read-while-prefetched", "module-order-changes",
               "gathered-parameters-in-forward", "prefetched-block-not-run"}
-# What the releases of the scenario run in CI: the report's scenario, and a block prefetched but not run.
-FAST_RELEASE_CASES = {"resume-skip-fp16", "prefetched-block-not-run"}
+# What the releases of the scenario run in CI: the report's scenario, a block prefetched but not run, and
+# GatheredParameters inside a forward.
+FAST_RELEASE_CASES = {"resume-skip-fp16", "prefetched-block-not-run", "gathered-parameters-in-forward"}
 
 
 def cases_for(release: str) -> list[Case]:
