@@ -35,7 +35,8 @@ def fresh_state():
 def _patchable():
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload, ZeROOrderedDict
 
-    return deepspeed.initialize, ZeROOrderedDict.__getitem__, DeepSpeedZeRoOffload.__init__
+    return (deepspeed.initialize, ZeROOrderedDict.__getitem__, DeepSpeedZeRoOffload.__init__,
+            deepspeed.zero.GatheredParameters.__enter__)
 
 
 def test_the_installed_release_passes_the_self_check():

@@ -25,10 +25,11 @@ def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]
 
     @functools.wraps(original)
     def __enter__(self):
-        if getattr(self, "enabled", False) and getattr(self, "src_rank", 0) is None:
-            held = {id(p) for p in self.params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and read_in_forward(p)}
+        params = getattr(self, "params", None)  # what stock keeps from 0.9 to 0.19.8; otherwise stock's alone
+        if params and getattr(self, "enabled", False) and getattr(self, "src_rank", 0) is None:
+            held = {id(p) for p in params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and read_in_forward(p)}
             if held:
-                self.params = [p for p in self.params if id(p) not in held]
+                self.params = [p for p in params if id(p) not in held]
                 self.enabled = bool(self.params)
         return original(self)
 
