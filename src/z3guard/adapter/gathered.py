@@ -27,7 +27,7 @@ def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]
     def __enter__(self):
         params = getattr(self, "params", None)  # what stock keeps from 0.9 to 0.19.8; otherwise stock's alone
         if params and getattr(self, "enabled", False) and getattr(self, "src_rank", 0) is None:
-            held = {id(p) for p in params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and read_in_forward(p)}
+            held = {id(p) for p in params if _held(p) and read_in_forward(p)}
             if held:
                 self.params = [p for p in params if id(p) not in held]
                 self.enabled = bool(self.params)
@@ -35,3 +35,12 @@ def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]
 
     GatheredParameters.__enter__ = __enter__
     return lambda: setattr(GatheredParameters, "__enter__", original)
+
+
+def _held(param) -> bool:
+    """The coordinator's now: prefetched, or fetched for a module that has not released it. A persistent
+    parameter no module holds is not (stock's context partitions it; the guard gathers it again), nor is
+    anything a context entered between steps is given (DeepSpeed's stack of running modules can then
+    still hold entries that a checkpoint recompute left, so a running forward alone proves nothing)."""
+    return param.ds_status == ZeroParamStatus.INFLIGHT or (
+        param.ds_status == ZeroParamStatus.AVAILABLE and bool(param.ds_active_sub_modules))
