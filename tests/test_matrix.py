@@ -80,21 +80,23 @@ def needs(*ids: str):
 
 
 @needs("read-on-some-steps", "read-while-prefetched", "gathered-parameters-in-forward")
-@pytest.mark.parametrize("case, step", [("read-on-some-steps", 3), ("read-while-prefetched", 4),
-                                        ("gathered-parameters-in-forward", 4)])
-def test_late_read_is_recovered_and_named(matrix, case, step):
+@pytest.mark.parametrize("case, step, added", [
+    ("read-on-some-steps", 3, ["blocks.0.fc1.weight"]),
+    ("read-while-prefetched", 4, ["blocks.0.fc1.weight"]),
+    ("gathered-parameters-in-forward", 4, ["blocks.0.fc1.weight", "blocks.0.fc2.weight"]),
+])
+def test_late_read_is_recovered_and_named(matrix, case, step, added):
     """The read at step 3 changes the head's parameter set where it is registered: at once when stock's own
     getter registers it (the weight partitioned, no prefetch), at the next step's start when z3guard does
     (the weight in flight, prefetched: stock's getter skips it; z3guard registers it on every rank at once).
-    Inside `GatheredParameters` the head reads every parameter of the block that the coordinator held, as
-    `GatheredParameters(..., fwd_module=head)` would register them."""
+    Inside `GatheredParameters` over the block the head reads the block's weights that the coordinator was
+    prefetching (both), as `GatheredParameters(..., fwd_module=head)` would register them."""
     guarded = matrix[1].result(f"{case}-guarded")
     (d,) = guarded["divergences"]
     assert d["kind"] == "param-set" and d["module"] == "head" and d["step"] == step
-    assert "blocks.0.fc1.weight" in d["added"] and d["removed"] == []
-    if case != "gathered-parameters-in-forward":
-        assert d["added"] == ["blocks.0.fc1.weight"]
-        assert d["fix"] == "deepspeed.zero.register_external_parameter(model.head, model.blocks[0].fc1.weight)"
+    assert d["added"] == added and d["removed"] == []
+    assert d["fix"] == "; ".join(f"deepspeed.zero.register_external_parameter(model.head, model.blocks[0].{name.removeprefix('blocks.0.')})"
+                                 for name in added)
 
 
 @needs("module-order-changes")

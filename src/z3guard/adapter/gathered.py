@@ -39,8 +39,8 @@ def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]
 
 def _held(param) -> bool:
     """The coordinator's now: prefetched, or fetched for a module that has not released it. A persistent
-    parameter no module holds is not (stock's context partitions it; the guard gathers it again), nor is
-    anything a context entered between steps is given (DeepSpeed's stack of running modules can then
-    still hold entries that a checkpoint recompute left, so a running forward alone proves nothing)."""
+    parameter no module holds is not (stock's context partitions it; the guard gathers it again). Asked of
+    the parameter itself, not of DeepSpeed's stack of running modules: between steps that stack can still
+    hold entries a checkpoint recompute left, so a context entered there would look like a forward's."""
     return param.ds_status == ZeroParamStatus.INFLIGHT or (
         param.ds_status == ZeroParamStatus.AVAILABLE and bool(param.ds_active_sub_modules))
