@@ -18,6 +18,7 @@ def test_hashes_taken_while_writing_equal_those_read_back(tmp_path, monkeypatch,
         writer = digest.HashingWriter(tmp_path / "w.pt", pool)
         torch.save(state, writer, _use_new_zipfile_serialization=not legacy)
         writer.close()
+        writer.synced()
         entry = writer.entry()
         loaded = torch.load(tmp_path / "w.pt", weights_only=False)
         assert torch.equal(loaded["flat"], state["flat"]) and loaded["meta"] == state["meta"]
@@ -39,3 +40,23 @@ def test_a_manifest_with_whole_file_hashes_still_verifies(tmp_path):
         assert digest.mismatch(tmp_path / "f", whole, pool) is None
         (tmp_path / "f").write_bytes(b"abd" * 1000)
         assert "the manifest says" in digest.mismatch(tmp_path / "f", whole, pool)
+
+
+def test_an_early_write_back_failure_is_raised_by_synced(tmp_path, monkeypatch):
+    monkeypatch.setattr(digest, "BLOCK", 1 << 16)
+    monkeypatch.setattr(digest, "OVERLAP", 1 << 10)
+    calls = []
+
+    def fdatasync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(digest.os, "fdatasync", fdatasync)
+    with ThreadPoolExecutor(2) as pool:
+        writer = digest.HashingWriter(tmp_path / "w.pt", pool)
+        writer.write(bytes(1 << 18))  # four blocks: the first one's write-back fails
+        writer.close()
+        with pytest.raises(OSError, match="Input/output error"):
+            writer.synced()
+    assert len(calls) >= 2 and (tmp_path / "w.pt").stat().st_size == 1 << 18

@@ -41,8 +41,8 @@ class HashingWriter:
         self._current = hashlib.sha256()
         self._filled = 0
         self.size = 0
-        self._flusher: ThreadPoolExecutor | None = None
-        self._flushing: Any = None
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="z3guard-writeback")
+        self._syncs: list[Any] = []  # this file's fdatasyncs, in order; the last one ends with the close
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -73,13 +73,12 @@ class HashingWriter:
 
     def _write_back(self) -> None:
         """Start the disk writes of what is written so far (fdatasync on a thread of its own, at most one at
-        a time): the save's closing fsync then waits for the last block only, not for all of them, while
-        DeepSpeed goes on serializing."""
-        if self._flushing is not None and not self._flushing.done():
+        a time): the save then waits for the last block only, not for all of them, while DeepSpeed goes on
+        serializing."""
+        if self._syncs and not self._syncs[-1].done():
             return
         self._file.flush()
-        self._flusher = self._flusher or ThreadPoolExecutor(1, thread_name_prefix="z3guard-writeback")
-        self._flushing = self._flusher.submit(os.fdatasync, self._file.fileno())
+        self._syncs.append(self._flusher.submit(os.fdatasync, self._file.fileno()))
 
     def __str__(self) -> str:  # DeepSpeed's writer logs the path it was given
         return str(self.path)
@@ -91,9 +90,33 @@ class HashingWriter:
         return self.size
 
     def close(self) -> None:
-        if self._flusher is not None:  # only an early start: the save's closing fsync reports real failures
-            self._flusher.shutdown(wait=True)
-        self._file.close()
+        """Hands the file's last bytes to the disk and closes it on the write-back thread, so that the next
+        file's serialization overlaps them; `synced` waits for that."""
+        if self._flusher is None:
+            return
+        flusher, self._flusher = self._flusher, None
+        try:
+            self._file.flush()
+        except BaseException:
+            self._file.close()
+            flusher.shutdown(wait=True)
+            raise
+        self._syncs.append(flusher.submit(self._sync_and_close))
+        flusher.shutdown(wait=False)
+
+    def _sync_and_close(self) -> None:
+        try:
+            os.fdatasync(self._file.fileno())
+        finally:
+            self._file.close()
+
+    def synced(self) -> None:
+        """Waits until the file is on disk and closed, and raises the first write-back error (an early
+        fdatasync that failed counts: the kernel reports a write-back error to a file once)."""
+        if self._flusher is not None:
+            raise RuntimeError(f"{self.path}: synced() before close()")
+        for sync in self._syncs:
+            sync.result()
 
     def entry(self) -> dict[str, Any]:
         """The manifest entry of what was written: size and block hashes."""
