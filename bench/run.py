@@ -101,6 +101,7 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
             else plan(models, variants, offload_runs))
     runs = applicable(runs, console)
     work = Path(tempfile.mkdtemp(prefix="z3guard-bench-"))
+    command = "python bench/run.py " + " ".join(sys.argv[1:])  # in each record: what made it
     groups = [[r] for r in runs] if isolate else [runs]
     console.print(f"{len(runs)} runs, {warmup} warm-up + {steps} timed steps each, {nproc} ranks on {device}, "
                   f"{len(groups)} process group(s)")
@@ -108,7 +109,7 @@ def main(device: str = typer.Option("cpu", help="cpu (smoke) or cuda"), nproc: i
     for i, group in enumerate(groups):
         with console.status(f"benchmarking (process group {i + 1} of {len(groups)})..."):
             done, ok = _run_group(group, work / f"group-{i:02d}", device, nproc, warmup, steps, timeout, console)
-        records += [{**json.loads(p.read_text()), "isolated": isolate}
+        records += [{**json.loads(p.read_text()), "isolated": isolate, "command": command}
                     for p in sorted((work / f"group-{i:02d}").glob("record-*.json"))]
         if not ok and done is not None:
             console.print(done.log[-6000:])
