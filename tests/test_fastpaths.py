@@ -356,3 +356,32 @@ def test_host_threads_honour_the_containers_cpu_quota(tmp_path, monkeypatch, mem
     root, self_cgroup = _cgroup(tmp_path, membership, files)
     assert usable_cpus(root, self_cgroup) == (64 if quota is None else quota)
     assert usable_cpus(root, tmp_path / "missing") == 64  # no cgroup information: the affinity mask
+
+
+def test_quiet_modules_takes_all_four_hooks_off_parameterless_subtrees_only():
+    """ZeRO-3's four hooks per module (two before the forward, two after it, as DeepSpeedZeRoOffload keeps
+    their handles) come off the modules with no parameter below them, all four or none; a module given an
+    external parameter, or with hooks other than the four, keeps its own."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from z3guard.adapter import quietmodules
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Sequential(nn.Dropout(0.0), nn.ReLU()), nn.Identity(),
+                          nn.Tanh())
+    model[3]._external_params = {1: nn.Parameter(torch.zeros(1))}  # as register_external_parameter leaves it
+    offload = SimpleNamespace(forward_hooks=[], backward_hooks=[])
+    for i, m in enumerate(model.modules()):
+        offload.forward_hooks.append(m.register_forward_pre_hook(lambda *a: None))
+        offload.forward_hooks.append(m.register_forward_hook(lambda *a: None))
+        offload.backward_hooks.append(m.register_forward_hook(lambda *a: None))
+        if m is not model[4]:  # Tanh: one hook short of the four
+            offload.backward_hooks.append(m.register_forward_pre_hook(lambda *a: None))
+    assert quietmodules.quiet(offload, model) == 4  # GELU, the inner Sequential, Dropout, ReLU
+    hooks = {m: len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()}
+    assert [hooks[m] for m in (model, model[0], model[3], model[4])] == [4, 4, 4, 3]
+    assert all(hooks[m] == 0 for m in (model[1], model[2], model[2][0], model[2][1]))
+    assert quietmodules.quieted(model) == 4
+    for handle in offload.forward_hooks + offload.backward_hooks:  # as DeepSpeed removes its hooks later
+        handle.remove()

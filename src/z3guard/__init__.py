@@ -42,7 +42,7 @@ def install(options: GuardOptions | None = None) -> bool:
         return True
     try:
         ad = adapter.load()
-        ad.patch_globals(on_read, _on_engine, _fetch_blocks)
+        ad.patch_globals(on_read, _on_engine, _build_options)
     except Exception as exc:
         _unpatch_quietly()
         if _state["options"].strict:
@@ -106,7 +106,7 @@ def guard(engine: Any, options: GuardOptions | None = None) -> "EngineGuard | No
         if not ad.is_zero3(engine):
             log.info("z3guard: engine is not ZeRO stage 3; nothing to guard")
             return None
-        ad.patch_globals(on_read, _on_engine, _fetch_blocks)  # reads must be seen even without install()
+        ad.patch_globals(on_read, _on_engine, _build_options)  # reads must be seen even without install()
         _state["patched"] = True
         g = EngineGuard(engine, ad, options)  # all or nothing: a failure part-way undoes what it applied
     except Exception as exc:
@@ -119,10 +119,10 @@ def guard(engine: Any, options: GuardOptions | None = None) -> "EngineGuard | No
     return g
 
 
-def _fetch_blocks() -> bool:
-    """Asked as an engine is built: blocks are marked only for the engines install() guards."""
-    options = _state["options"]
-    return _state["installed"] and options.fast_paths and options.fast_block_fetch
+def _build_options() -> GuardOptions | None:
+    """Asked as an engine is built: the speed paths that act on a model before DeepSpeed's hooks are
+    registered (or right after) act only on the engines install() guards."""
+    return _state["options"] if _state["installed"] else None
 
 
 def _on_engine(engine: Any) -> None:

@@ -47,10 +47,12 @@ class GuardOptions:
     same IEEE operations in the same order); off only to compare with stock."""
 
     fast_hook_calls: bool = True
-    """Make three lookups inside ZeRO-3's module hooks cheap: the current CUDA stream, NVTX ranges that no
-    profiler receives (left on where one is injected, as under nsys), and a debug print's rank query. The
-    hooks run about a thousand times per step, and without offload the step waits on them. No tensor is
-    touched; off only to compare with stock. See adapter/leanhooks.py."""
+    """Fewer and cheaper ZeRO-3 module hooks. The hooks run about a thousand times per step, and without
+    offload the step waits on them. Modules with no parameter below them (activations, dropout) get none
+    (engines built after `install()`; adapter/quietmodules.py), and three lookups inside the others are
+    made cheap: the current CUDA stream, NVTX ranges that no profiler receives (left on where one is
+    injected, as under nsys), and a debug print's rank query (adapter/leanhooks.py). The same kernels and
+    collectives with the same contents; off only to compare with stock."""
 
     fast_block_fetch: bool = False
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of

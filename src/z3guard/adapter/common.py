@@ -17,7 +17,7 @@ import deepspeed
 from deepspeed.runtime.zero import parameter_offload as _po
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
-from . import blockfetch, gathered, leanhooks, reshard, speedpaths
+from . import blockfetch, gathered, leanhooks, quietmodules, reshard, speedpaths
 from .base import EngineHook, ReadHook, TraceHooks
 from .coordinator import P, z3_leaf_module
 from .lifecycle import Lifecycle
@@ -54,7 +54,7 @@ class ZeroAdapter:
 
     # -- global patches --------------------------------------------------------------------
     def patch_globals(self, on_read: ReadHook, on_engine: EngineHook,
-                      fetch_blocks: Callable[[], bool] = lambda: False) -> None:
+                      build_options: Callable[[], Any] = lambda: None) -> None:
         if self._saved:
             return
         original_getitem = _po.ZeROOrderedDict.__getitem__
@@ -77,12 +77,19 @@ class ZeroAdapter:
             return result
 
         @functools.wraps(original_offload_init)
-        def offload_init(offload, module, *args, **kwargs):  # before ZeRO-3 registers its module hooks
-            if fetch_blocks() and speedpaths.allowed("block_fetch"):
+        def offload_init(offload, module, *args, **kwargs):  # around ZeRO-3's registration of module hooks
+            options = build_options()
+            fast = options is not None and options.fast_paths
+            if fast and options.fast_block_fetch and speedpaths.allowed("block_fetch"):
                 settings = inspect.signature(original_offload_init).bind(offload, module, *args, **kwargs)
                 settings.apply_defaults()
                 blockfetch.before_hooks(module, settings.arguments)
             original_offload_init(offload, module, *args, **kwargs)
+            if fast and options.fast_hook_calls and speedpaths.allowed("quiet_modules"):
+                try:
+                    quietmodules.quiet(offload, module)
+                except Exception as exc:  # this path alone stays off; the hooks that stayed are stock's
+                    speedpaths.say_off("quiet_modules", f"here: {exc}", logging.WARNING)
 
         def read_in_forward(param) -> bool:  # a GatheredParameters context entered inside a forward
             running = _running_forward()
@@ -262,7 +269,8 @@ class ZeroAdapter:
         from . import fastpaths
 
         blocks = blockfetch.marked(engine.module)  # fetched whole since the engine was built
-        applied = [f"block_fetch={blocks}"] if blocks else []
+        quiet = quietmodules.quieted(engine.module)  # without ZeRO-3's hooks since the engine was built
+        applied = [f"block_fetch={blocks}"] * bool(blocks) + [f"quiet_modules={quiet}"] * bool(quiet)
         if not options.fast_paths or engine.optimizer is None or not hasattr(engine.optimizer, "parameter_offload"):
             return applied
         ok = speedpaths.allowed

@@ -57,6 +57,11 @@ PATHS: tuple[SpeedPath, ...] = (
     SpeedPath("persistent_gather", "fast_persistent_gather", (
         S3 + "_post_step", S3 + "_partition_all_parameters", S3 + "step")),
     SpeedPath("host_threads", "host_threads", ADAM),
+    SpeedPath("quiet_modules", "fast_hook_calls", (
+        OFFLOAD + "setup_zero_stage3_hooks", OFFLOAD + "_register_deepspeed_module",
+        OFFLOAD + "pre_sub_module_forward_function", OFFLOAD + "post_sub_module_forward_function",
+        OFFLOAD + "pre_sub_module_backward_function", OFFLOAD + "post_sub_module_backward_function",
+        PPC + "fetch_sub_module", PPC + "release_sub_module", PPC + "record_module")),
     SpeedPath("lean_hooks", "fast_hook_calls", (
         "deepspeed.runtime.zero.partition_parameters:print_rank_0", "deepspeed.utils.nvtx:instrument_w_nvtx",
         "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.current_stream")),
@@ -75,6 +80,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "overflow_check": {"37519872ec8c91ed": ("0.19.8",)},
     "persistent_gather": {"e35f20b122fce0ca": ("0.19.8",)},
     "host_threads": {"41e71924906e0aff": ("0.19.8",)},
+    "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
     "lean_hooks": {"15d80a777cc6e8a4": ("0.19.5", "0.19.8")},
 }
 

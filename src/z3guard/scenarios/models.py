@@ -78,9 +78,10 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.fc1 = nn.Linear(width, 2 * width)
         self.fc2 = nn.Linear(2 * width, width)
+        self.act = nn.GELU()  # a module without parameters, as transformers' blocks have
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
 class LMHead(nn.Module):
