@@ -115,7 +115,7 @@ def main(device: str = typer.Option("cpu"), nproc: int = typer.Option(2), width:
               "machine": machine(device), "deepspeed": deepspeed.__version__, "torch": torch.__version__,
               "ranks": nproc, "device": device, "width": width, "depth": depth, "checkpoint_bytes": size,
               "hash_threads": digest.threads(), "disk_write_GBps": round(rate / 1e9, 3),
-              "disk_floor_s": round(size / rate, 3), "order": [list(p) for p in order], "times": times,
+              "size_at_disk_rate_s": round(size / rate, 3), "order": [list(p) for p in order], "times": times,
               "median": {m: {k: round(v, 3) for k, v in t.items()} for m, t in median.items()},
               "z3guard_over_stock": {**{k: round(v, 3) for k, v in ratio.items()},
                                      "save_and_writeback_s": round(synced, 3)}}

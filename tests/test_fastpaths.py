@@ -372,7 +372,7 @@ def test_quiet_modules_takes_all_four_hooks_off_parameterless_subtrees_only():
                           nn.Tanh())
     model[3]._external_params = {1: nn.Parameter(torch.zeros(1))}  # as register_external_parameter leaves it
     offload = SimpleNamespace(forward_hooks=[], backward_hooks=[])
-    for i, m in enumerate(model.modules()):
+    for m in model.modules():
         offload.forward_hooks.append(m.register_forward_pre_hook(lambda *a: None))
         offload.forward_hooks.append(m.register_forward_hook(lambda *a: None))
         offload.backward_hooks.append(m.register_forward_hook(lambda *a: None))

@@ -270,7 +270,7 @@ class ZeroAdapter:
 
         blocks = blockfetch.marked(engine.module)  # fetched whole since the engine was built
         quiet = quietmodules.quieted(engine.module)  # without ZeRO-3's hooks since the engine was built
-        applied = [f"block_fetch={blocks}"] * bool(blocks) + [f"quiet_modules={quiet}"] * bool(quiet)
+        applied = [f"{name}={n}" for name, n in (("block_fetch", blocks), ("quiet_modules", quiet)) if n]
         if not options.fast_paths or engine.optimizer is None or not hasattr(engine.optimizer, "parameter_offload"):
             return applied
         ok = speedpaths.allowed

@@ -88,17 +88,18 @@ class CheckpointGuard:
         try:  # rmtree: a staging folder left by a save that died
             _agreed(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)), store)
             faults.point("before-data", tag)
-            written: dict[str, dict[str, Any]] = {}  # this rank's files, hashed as they were written
-            writers: list[digest.HashingWriter] = []
+            writers: list[digest.HashingWriter] = []  # this rank's files, hashed as they are written
             with ThreadPoolExecutor(digest.threads()) as pool:
                 _agreed(lambda: self._deepspeed_save(root / STAGING, tag, client_state or {}, kwargs,
-                                                     _hashing_into(staging, written, writers, pool)))
+                                                     _opening_into(writers, pool)))
                 faults.point("mid-data", tag)
                 _agreed(lambda: (state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
                                                                    self.data_position)),
                                  [w.synced() for w in writers]))  # DeepSpeed's files on disk, or its error
                 faults.point("before-manifest", tag)
                 m = self._manifest(tag, store)
+                written = {str(w.path.relative_to(staging)): w.entry() for w in writers
+                           if w.path.is_relative_to(staging)}
                 m.files = storage.entries(staging, store, written, pool)
             _agreed(lambda: (manifest.fsync_tree(staging), m.write(staging)), store)
             faults.point("before-rename", tag)
@@ -258,18 +259,11 @@ def _agreed(action: Callable[[], Any], store: storage.Storage | None = None) -> 
     dist.on_every_rank(part, CheckpointError)
 
 
-def _hashing_into(staging: Path, written: dict[str, dict[str, Any]], writers: list[digest.HashingWriter],
-                  pool: ThreadPoolExecutor) -> Callable:
-    """A file opener for DeepSpeed's writer that keeps each file's manifest entry in `written`, and each
-    writer in `writers` (their files are still being synced to disk when DeepSpeed's save returns)."""
-    class Writer(digest.HashingWriter):
-        def close(self) -> None:
-            super().close()
-            if self.path.is_relative_to(staging):
-                written[str(self.path.relative_to(staging))] = self.entry()
-
-    def open_file(path: str) -> Writer:
-        writers.append(Writer(path, pool))
+def _opening_into(writers: list[digest.HashingWriter], pool: ThreadPoolExecutor) -> Callable:
+    """A file opener for DeepSpeed's writer that keeps each writer in `writers`: their files are still being
+    synced to disk when DeepSpeed's save returns, and their hashes make the manifest's entries."""
+    def open_file(path: str) -> digest.HashingWriter:
+        writers.append(digest.HashingWriter(path, pool))
         return writers[-1]
 
     return open_file
