@@ -64,6 +64,11 @@ def main(out: Path, mode: str, checkpointing: bool, modules_to_save: bool) -> No
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
+            # The step ends by gathering the persistent parameters as async gloo all-gathers and waits for the
+            # last one only (DeepSpeed through 0.19.8 at least); gloo runs them on two threads, so generate()
+            # could read a parameter still being written, in stock and z3guard alike. A gloo barrier waits
+            # for every earlier collective first.
+            torch.distributed.barrier()
             result["losses"][str(step)] = loss.item()
             with unwrap_model_for_generation(engine) as unwrapped:
                 unwrapped.module.eval()
@@ -78,9 +83,7 @@ def main(out: Path, mode: str, checkpointing: bool, modules_to_save: bool) -> No
         result["crash"] = f"{type(exc).__name__}: {exc}"
     if mode == "guarded":
         result["summary"] = z3guard.summary(engine)
-    # The trained weights as the optimizer holds them, one blocking gather each: before 0.19 the persistent
-    # parameters' coalesced all-gather after a step waits for its last gloo all-gather only, so reading them
-    # right after the last step could catch one still being written (stock and z3guard alike).
+    # The trained weights as the optimizer holds them (a crashed run may end without the barrier above).
     from deepspeed.utils import safe_get_full_fp32_param
 
     masters = [safe_get_full_fp32_param(p).detach().float() for p in trained]
