@@ -8,7 +8,9 @@ RELEASES := .venv-releases
 RELEASES_STAMP := $(RELEASES)/.z3guard-ready
 # z3guard as users get it: the sdist and wheel `python -m build` makes, the wheel installed (not editable).
 WHEEL := .venv-wheel
-PIP := -m pip install -q --disable-pip-version-check
+# --no-compile: Python byte-compiles what is imported, on first import, in place of every module of torch and
+# transformers at install time (that halves each environment's install).
+PIP := -m pip install -q --disable-pip-version-check --no-compile
 export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS ?= 1
