@@ -8,9 +8,7 @@ RELEASES := .venv-releases
 RELEASES_STAMP := $(RELEASES)/.z3guard-ready
 # z3guard as users get it: the sdist and wheel `python -m build` makes, the wheel installed (not editable).
 WHEEL := .venv-wheel
-# --no-compile: Python byte-compiles what is imported, on first import, in place of every module of torch and
-# transformers at install time (that halves each environment's install).
-PIP := -m pip install -q --disable-pip-version-check --no-compile
+PIP := -m pip install -q --disable-pip-version-check
 export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS ?= 1

@@ -35,7 +35,7 @@ GENERATE = {"0.18.9"}
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
 DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise
-PIP = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation", "--no-compile"]
+PIP = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation"]
 
 
 # CI's self-check: the oldest, the last of the coordinator per mode (TRL's minimum), LLaMA-Factory's and
