@@ -72,6 +72,10 @@ LM_CASES = [
     # wrong loss at step 3, skipped steps after) whenever the read beats the gather.
     Case("read-while-prefetched", {"scenario": "side-read"}, resume=False, skip_at=(), stock_crash_step=None,
          stock_reads_inflight=True, reference={"preregister": True}),
+    # The same read through the block's parameters(): stock hands out the weight in flight; z3guard waits for
+    # it and leaves it unregistered (the workaround registers it: the same arithmetic).
+    Case("parameters-read-while-prefetched", {"scenario": "parameters-read"}, resume=False, skip_at=(),
+         stock_crash_step=None, stock_reads_inflight=True, reference={"preregister": True}),
     # The same read through named_parameters(), inside `GatheredParameters` over the block in the head's
     # forward: stock hands out the weight in flight and raises on leaving the context (with the read
     # registered by hand it frees the weight under the running head and raises too). The workaround: read
@@ -95,7 +99,7 @@ RELEASE_CASES = {"resume-skip-fp16", "resume-skip-bf16", "gathered-parameters", 
 MAIN_CASES = {"resume-skip-fp16", "resume-skip-bf16", "skip-first-step-after-resume", "gathered-parameters",
               "eval-between-steps", "grad-accum-2", "ckpt-non-reentrant", "prefetch-0",
               "workaround-register-external", "read-on-some-steps", "read-while-prefetched", "module-order-changes",
-              "gathered-parameters-in-forward", "prefetched-block-not-run"}
+              "parameters-read-while-prefetched", "gathered-parameters-in-forward", "prefetched-block-not-run"}
 # What the releases of the scenario run in CI: the report's scenario, a block prefetched but not run, and
 # GatheredParameters inside a forward.
 FAST_RELEASE_CASES = {"resume-skip-fp16", "prefetched-block-not-run", "gathered-parameters-in-forward"}

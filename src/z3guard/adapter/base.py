@@ -7,7 +7,9 @@ from torch import nn
 
 # Called as on_read(running_module, param, in_engine_forward, owner) when a module's forward reads a
 # parameter owned by another module (`owner`); returns whether the read was taken (the parameter filled).
-ReadHook = Callable[[nn.Module, nn.Parameter, bool, nn.Module], bool]
+# With raw=True the read came through parameters(), named_parameters() or state_dict() and the parameter
+# is in flight: it is waited for, not registered.
+ReadHook = Callable[..., bool]
 # Called with every engine deepspeed.initialize creates.
 EngineHook = Callable[[Any], None]
 

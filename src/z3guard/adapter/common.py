@@ -58,6 +58,8 @@ class ZeroAdapter:
         if self._saved:
             return
         original_getitem = _po.ZeROOrderedDict.__getitem__
+        own_items = vars(_po.ZeROOrderedDict).get("items")  # DeepSpeed's, if a release defines one
+        original_items = _po.ZeROOrderedDict.items
         original_initialize = deepspeed.initialize
         original_offload_init = _po.DeepSpeedZeRoOffload.__init__
 
@@ -70,6 +72,19 @@ class ZeroAdapter:
                 if running is not None and running is not self._parent_module:
                     on_read(running, param, self._in_forward, self._parent_module)
             return original_getitem(self, key)
+
+        def items(self):
+            # parameters(), named_parameters() and state_dict() go through here, not through __getitem__:
+            # another module's parameter in flight is waited for (stock hands out its unfilled buffer). Not
+            # for a leaf module: ZeRO-3 fetches its whole subtree, through here, before its forward.
+            for param in dict.values(self):
+                if param is not None and getattr(param, "ds_status", None) is ZeroParamStatus.INFLIGHT:
+                    running = _running_forward()
+                    if (running is not None and running is not self._parent_module and not _is_compiling()
+                            and not z3_leaf_module(running)):
+                        if on_read(running, param, self._in_forward, self._parent_module, raw=True):
+                            setattr(param, gathered.WAITED, True)
+            return original_items(self)
 
         def initialize(*args, **kwargs):
             result = original_initialize(*args, **kwargs)
@@ -96,9 +111,10 @@ class ZeroAdapter:
             return running is not None and on_read(running, param, True, None)
 
         initialize.__wrapped__ = original_initialize
-        self._saved = {"getitem": original_getitem, "initialize": original_initialize,
+        self._saved = {"getitem": original_getitem, "items": own_items, "initialize": original_initialize,
                        "offload_init": original_offload_init, "gathered": gathered.patch(read_in_forward)}
         _po.ZeROOrderedDict.__getitem__ = __getitem__
+        _po.ZeROOrderedDict.items = items
         deepspeed.initialize = initialize
         _po.DeepSpeedZeRoOffload.__init__ = offload_init
 
@@ -107,6 +123,10 @@ class ZeroAdapter:
         if not self._saved:
             return
         _po.ZeROOrderedDict.__getitem__ = self._saved["getitem"]
+        if self._saved["items"] is None:
+            del _po.ZeROOrderedDict.items  # OrderedDict's again
+        else:
+            _po.ZeROOrderedDict.items = self._saved["items"]
         deepspeed.initialize = self._saved["initialize"]
         _po.DeepSpeedZeRoOffload.__init__ = self._saved["offload_init"]
         self._saved["gathered"]()

@@ -17,6 +17,11 @@ from torch import nn
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
 
+# Set on a parameter in flight that a read through parameters() or state_dict() in a forward waited for:
+# available now, yet still the coordinator's prefetch for a later module.
+WAITED = "_z3guard_waited_in_flight"
+
+
 def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]:
     """Patch `GatheredParameters.__enter__`; returns what restores it. `read_in_forward(param)`: the read of
     a gathered or in-flight parameter by the forward that runs now, filled on return; False where no guarded
@@ -38,9 +43,13 @@ def patch(read_in_forward: Callable[[nn.Parameter], bool]) -> Callable[[], None]
 
 
 def _held(param) -> bool:
-    """The coordinator's now: prefetched, or fetched for a module that has not released it. A persistent
-    parameter no module holds is not (stock's context partitions it; the guard gathers it again). Asked of
-    the parameter itself, not of DeepSpeed's stack of running modules: between steps that stack can still
-    hold entries a checkpoint recompute left, so a context entered there would look like a forward's."""
+    """The coordinator's now: prefetched (in flight, or waited for by a read in this forward), or fetched
+    for a module that has not released it. A persistent parameter no module holds is not (stock's context
+    partitions it; the guard gathers it again). Asked of the parameter itself, not of DeepSpeed's stack of
+    running modules: between steps that stack can still hold entries a checkpoint recompute left, so a
+    context entered there would look like a forward's."""
+    waited = getattr(param, WAITED, False)
+    if waited:  # a read's wait counts for the context that follows it, not for later ones
+        setattr(param, WAITED, False)
     return param.ds_status == ZeroParamStatus.INFLIGHT or (
-        param.ds_status == ZeroParamStatus.AVAILABLE and bool(param.ds_active_sub_modules))
+        param.ds_status == ZeroParamStatus.AVAILABLE and (bool(param.ds_active_sub_modules) or waited))

@@ -116,7 +116,11 @@ SCENARIOS: dict[str, Scenario] = {
                  reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
         # The same read, inside `deepspeed.zero.GatheredParameters` over the block in the head's forward and
         # through the block's named_parameters().
-        Scenario("gathered-read", lambda: TinyLM(side_read_every=3, side_read_gathered=True), _token_batch,
+        Scenario("gathered-read", lambda: TinyLM(side_read_every=3, side_read_via="gathered"), _token_batch,
+                 hidden=64, config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
+                 reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
+        # The same read through the block's parameters(), which no getter sees.
+        Scenario("parameters-read", lambda: TinyLM(side_read_every=3, side_read_via="parameters"), _token_batch,
                  hidden=64, config={**LM_SCALE, "zero_optimization": {"stage3_max_reuse_distance": 0}},
                  reads=(("head", "embed.weight"), ("head", "blocks.0.fc1.weight"))),
     ]

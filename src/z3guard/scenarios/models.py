@@ -91,11 +91,13 @@ class LMHead(nn.Module):
     a cross-module read that happens only on some batches.
     """
 
-    def __init__(self, width: int, side_read_every: int = 0, side_read_gathered: bool = False):
+    def __init__(self, width: int, side_read_every: int = 0, side_read_via: str = "attribute"):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.side_read_every = side_read_every
-        self.side_read_gathered = side_read_gathered  # the side read inside deepspeed.zero.GatheredParameters
+        # how the side read reaches the weight: "attribute" (`.weight`), "gathered" (inside
+        # deepspeed.zero.GatheredParameters, through named_parameters()) or "parameters" (`parameters()`)
+        self.side_read_via = side_read_via
         self.inflight_reads = 0  # side reads handed a parameter whose all-gather was still in flight
         self.read_states: list[str] = []  # the read weight's ZeRO status at each side read
         self.data_read_steps: list[int] = []  # steps whose batch made this rank read blocks[0].norm.bias
@@ -105,11 +107,12 @@ class LMHead(nn.Module):
             self.data_read_steps.append(step)
             x = x + lm.blocks[0].norm.bias
         if self.side_read_every and step % self.side_read_every == 0:
-            weight = lm.blocks[0].fc1.weight
+            weight = next(lm.blocks[0].fc1.parameters()) if self.side_read_via == "parameters" else \
+                lm.blocks[0].fc1.weight
             state = getattr(getattr(weight, "ds_status", None), "name", "")
             self.inflight_reads += state == "INFLIGHT"
             self.read_states.append(state)
-            if self.side_read_gathered:  # the whole block gathered, its weight read through named_parameters()
+            if self.side_read_via == "gathered":  # the whole block gathered, its weight read through named_parameters()
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters(list(lm.blocks[0].parameters())):
@@ -146,11 +149,11 @@ class TinyLM(nn.Module):
 
     def __init__(self, vocab: int = 64, width: int = 64, depth: int = 3, skip_odd: bool = False,
                  side_read_every: int = 0, repeat_first: bool = False, experts: int = 0, data_read: bool = False,
-                 branch: bool = False, skip_every: int = 0, side_read_gathered: bool = False):
+                 branch: bool = False, skip_every: int = 0, side_read_via: str = "attribute"):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Routed(width, experts, i) if experts else Block(width) for i in range(depth))
-        self.head = LMHead(width, side_read_every, side_read_gathered)
+        self.head = LMHead(width, side_read_every, side_read_via)
         self.skip_odd = skip_odd
         self.skip_every = skip_every  # the middle block is left out on steps that this divides
         self.repeat_first = repeat_first  # the first block runs twice per step (weight sharing)

@@ -23,7 +23,7 @@ GUARDS: "weakref.WeakKeyDictionary[nn.Module, TraceGuard]" = weakref.WeakKeyDict
 
 
 def on_read(running: nn.Module, param: nn.Parameter, in_engine_forward: bool = True,
-            owner: nn.Module | None = None) -> bool:
+            owner: nn.Module | None = None, raw: bool = False) -> bool:
     """Called by the adapter when `running`'s forward reads a parameter of another module, `owner`. The read
     gets a filled tensor: one in flight is waited for; a partitioned one is gathered on every rank or none
     (lockstep.py), by stock's getter inside engine.forward and here outside it, where stock hands out
@@ -31,12 +31,20 @@ def on_read(running: nn.Module, param: nn.Parameter, in_engine_forward: bool = T
     across two models, and any read while the model's hooks are removed (generate() inside
     unwrap_model_for_generation, where every weight is gathered; DeepSpeed's stack of running modules then
     holds what it last pushed, and a checkpoint recompute that stopped early leaves entries there too).
-    Returns whether the read was taken (the parameter is then filled and the coordinator's to release)."""
+    Returns whether the read was taken (the parameter is then filled and the coordinator's to release).
+
+    `raw`: a read through parameters(), named_parameters() or state_dict() of a parameter in flight. It is
+    waited for and left unregistered: such reads are mostly of metadata (transformers' `self.dtype` takes
+    `next(self.parameters())`), and registering them would keep those weights gathered. A partitioned one
+    keeps stock's empty partition, which fails loudly where it is computed on."""
     guard = GUARDS.get(running)
     if guard is None or (owner is not None and GUARDS.get(owner) is not guard):
         return False
     if not guard.adapter.hooks_installed(guard.engine):
         return False
+    if raw:
+        guard.adapter.wait_if_inflight(guard.engine, param)
+        return True
     guard.note_read_step(running, param)
     guard.adapter.wait_if_inflight(guard.engine, param)
     if guard.adapter.owns(running, param):
