@@ -68,10 +68,10 @@ if has tables; then
   TAIL=16
   # Both offloads under torchrun's defaults (OMP_NUM_THREADS=1 per rank), a process group per run.
   bench both-offloads --isolate --warmup 8 --steps 12 $(runs gpt2:stock:$PO gpt2:z3guard:$PO \
-    gpt2:z3guard-blocks:$PO gpt2:stock:$PO gpt2:z3guard:$PO)
+    gpt2:z3guard-noblocks:$PO gpt2:stock:$PO gpt2:z3guard:$PO)
   # offload_param only and no offload, a process group per run (stock with offload_param added at the end).
   bench param-offload --isolate --warmup 8 --steps 15 $(runs gpt2:stock:none gpt2:z3guard:param \
-    gpt2:z3guard-blocks:param gpt2:z3guard:none gpt2:stock:none gpt2:stock:param)
+    gpt2:z3guard-noblocks:param gpt2:z3guard:none gpt2:stock:none gpt2:stock:param)
   # The baselines: stock given the cores per rank, z3guard in fp16 and bf16, PyTorch FSDP2 (bf16; with offload
   # its CPUOffloadPolicy), no offload and both offloads, a process group per run.
   bench baselines --isolate --warmup 8 --steps 12 $(runs gpt2:stock:none gpt2:z3guard:none \

@@ -42,7 +42,6 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-nocheck": {"fast_overflow_check": False},
     "z3guard-nogradoffload": {"fast_grad_offload": False},
     "z3guard-noblocks": {"fast_block_fetch": False},
-    "z3guard-blocks": {"fast_block_fetch": True},
 }
 FSDP2 = {"fsdp2", "fsdp2-tuned"}  # PyTorch's FSDP2, not DeepSpeed (fsdp2.py); bf16
 TUNED = {"stock-tuned", "fsdp2-tuned"}  # threads as a careful user sets them, not torchrun's 1 per rank
@@ -78,13 +77,15 @@ def config(variant: str, offload: str, micro_batch: int, world: int, device: str
 
 def make_engine(name: str, cfg: dict, device: str):
     """The benchmark model under ZeRO-3 (built already partitioned on GPUs) and its engine, seeded alike
-    for every run; the client AdamW on the GPU unless `cfg` names an optimizer. Returns (engine, size, sync)."""
+    for every run; the client AdamW (fused) on the GPU unless `cfg` names an optimizer. Returns (engine, size, sync)."""
     import deepspeed
 
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device == "cuda"):
         model, size = models.make(name, device)
-    kwargs = {} if "optimizer" in cfg else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+    # fused on GPUs, as FSDP2's runs (fsdp2.py) and as a careful user sets it (Trainer's adamw_torch_fused)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda") if "optimizer" not in cfg else None
+    kwargs = {"optimizer": adamw} if adamw is not None else {}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     return engine, size, sync
@@ -211,8 +212,9 @@ def run_deepspeed(spec: dict, rank: int, world: int, device: torch.device) -> di
     dtype = torch.float16 if precision(variant, device.type) == "fp16" else torch.bfloat16
     record = measure(spec, size, rank, world, device, dtype, step, before)
     g = z3guard.guard(engine) if variant in GUARD_OPTIONS else None
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     record |= {
-        "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
+        "optimizer": type(inner).__name__ + (" (fused)" if getattr(inner, "defaults", {}).get("fused") else ""),
         "invalidations": count_invalidations(),
         "trace_switches": g.trace.cache.switches if g else None,
         "trace_recordings": g.trace.cache.recordings if g else None,

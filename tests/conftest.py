@@ -23,6 +23,12 @@ def launch(jobs: list[Job], out: Path) -> Launch:
     return result
 
 
+def scripts_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks import model factories of tests/scripts/ by name (`checkpointed_lm:plain`)."""
+    scripts = str(Path(__file__).parent / "scripts")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])))
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")

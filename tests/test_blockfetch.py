@@ -1,8 +1,6 @@
 """Each repeated block fetched whole (a ZeRO-3 leaf module) gives the same bytes as stock DeepSpeed."""
 from __future__ import annotations
 
-import os
-
 import pytest
 from torch import nn
 
@@ -11,7 +9,7 @@ from z3guard.scenarios import compare
 from z3guard.scenarios.job import Job
 from z3guard.scenarios.models import Block, Routed, TinyLM
 
-from .conftest import launch
+from .conftest import launch, scripts_on_path
 
 MANY = 10**9
 VOCAB = 512  # an embedding (32768) larger than a block (16704), as in a language model of any size
@@ -62,14 +60,6 @@ def test_the_users_granularity_is_left_alone():
     assert before_hooks(TinyLM(depth=3, vocab=VOCAB), settings) == 0
 
 
-def _scripts_on_path(monkeypatch) -> None:
-    """The ranks import the model factories of tests/scripts/checkpointed_lm.py by name."""
-    from pathlib import Path
-
-    scripts = str(Path(__file__).parent / "scripts")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])))
-
-
 def test_nvme_parameter_offload_keeps_per_module_fetches(caplog):
     """A block would swap in all its partitions at once: more than the NVMe swapper's buffers may hold."""
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
@@ -85,13 +75,13 @@ def test_nvme_parameter_offload_keeps_per_module_fetches(caplog):
 
 def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs, monkeypatch):
     """Real ZeRO-3 with both offloads, fp16, the report's tied LM (its head reads the embedding's weight):
-    stock against z3guard with its blocks fetched whole and without."""
-    _scripts_on_path(monkeypatch)
+    stock against z3guard with its blocks fetched whole (the default) and without."""
+    scripts_on_path(monkeypatch)
     skips = [3, 10, 25, 26, 40]
     common = dict(model="checkpointed_lm:plain", batch="checkpointed_lm:batch", hidden=64,
                   config={"fp16": {"initial_scale_power": 8}}, steps=52, skip_at=skips)
-    done = launch([Job("stock", **common), Job("blocks", guard=True, options={"fast_block_fetch": True}, **common),
-                   Job("modules", guard=True, **common)], runs / "blockfetch")
+    done = launch([Job("stock", **common), Job("blocks", guard=True, **common),
+                   Job("modules", guard=True, options={"fast_block_fetch": False}, **common)], runs / "blockfetch")
     blocks, modules = done.result("blocks"), done.result("modules")
     assert "block_fetch=3" in blocks["fast_paths"]
     assert not any(p.startswith("block_fetch") for p in modules["fast_paths"])
@@ -107,28 +97,29 @@ def test_blocks_fetched_whole_are_bit_identical_over_52_steps_with_skips(runs, m
 @pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
 def test_blocks_fetched_whole_under_activation_checkpointing_are_bit_identical(runs, kind, monkeypatch):
     """Each block recomputed in the backward (Hugging Face's gradient checkpointing does this per layer)."""
-    _scripts_on_path(monkeypatch)
+    scripts_on_path(monkeypatch)
     common = dict(model=f"checkpointed_lm:{kind}", batch="checkpointed_lm:batch", hidden=64,
                   config={"fp16": {"initial_scale_power": 8}}, steps=14, skip_at=[3, 10],
                   events={"5": ["gathered"], "11": ["eval"]})
-    done = launch([Job("stock", **common), Job("blocks", guard=True, options={"fast_block_fetch": True}, **common)],
-                  runs / f"blockfetch-{kind}")
+    done = launch([Job("stock", **common), Job("blocks", guard=True, **common)], runs / f"blockfetch-{kind}")
     assert "block_fetch=3" in done.result("blocks")["fast_paths"]
     diff = compare.first_job_difference(done, "stock", "blocks")
     assert diff is None, str(diff)
 
 
-def test_a_parameter_unused_inside_a_block_is_why_blocks_are_off_by_default(runs, monkeypatch):
-    """A block whose extra projection runs on even steps only: DeepSpeed's leaf module reduces a zero
-    gradient for it on odd steps, where stock leaves its gradient region as it was. Fetched whole (asked
-    for), the run leaves stock's bits; by default z3guard fetches per module and stays bit-identical."""
-    _scripts_on_path(monkeypatch)
-    common = dict(model="checkpointed_lm:gated", batch="checkpointed_lm:batch", hidden=64,
-                  config={"fp16": {"initial_scale_power": 8}}, steps=12, skip_at=[3, 10])
-    done = launch([Job("stock", **common), Job("default", guard=True, **common),
-                   Job("blocks", guard=True, options={"fast_block_fetch": True}, **common)], runs / "blockfetch-gated")
+def test_parameters_unused_on_some_steps_keep_stocks_gradients(runs, monkeypatch):
+    """Blocks whose extra projection runs on even steps only, and the middle block left out on odd steps.
+    DeepSpeed's own leaf module (stock, the blocks marked by hand) reduces a zero gradient for each unused
+    parameter, where stock without leaf modules leaves its gradient region as it was: that run leaves
+    stock's bits. z3guard fetches the blocks whole and leaves the gradients to stock's per-parameter path."""
+    scripts_on_path(monkeypatch)
+    common = dict(batch="checkpointed_lm:batch", hidden=64, config={"fp16": {"initial_scale_power": 8}},
+                  steps=12, skip_at=[3, 10])
+    done = launch([Job("stock", model="checkpointed_lm:gated_skip", **common),
+                   Job("leaf-by-hand", model="checkpointed_lm:gated_skip_leaf", **common),
+                   Job("blocks", model="checkpointed_lm:gated_skip", guard=True, **common)],
+                  runs / "blockfetch-gated")
     assert "block_fetch=3" in done.result("blocks")["fast_paths"]
-    assert not any(p.startswith("block_fetch") for p in done.result("default")["fast_paths"])
-    assert compare.first_job_difference(done, "stock", "blocks") is not None
-    diff = compare.first_job_difference(done, "stock", "default")
+    assert compare.first_job_difference(done, "stock", "leaf-by-hand") is not None
+    diff = compare.first_job_difference(done, "stock", "blocks")
     assert diff is None, str(diff)

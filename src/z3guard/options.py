@@ -54,15 +54,14 @@ class GuardOptions:
     injected, as under nsys), and a debug print's rank query (adapter/leanhooks.py). The same kernels and
     collectives with the same contents; off only to compare with stock."""
 
-    fast_block_fetch: bool = False
+    fast_block_fetch: bool = True
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of
     module by module through hooks that cost more than the copies at transformer sizes (both offloads on
-    2 x H200: 480 -> 321-343 ms). Off by default: where a parameter inside a block goes unused on a step
-    (a branch taken on some steps), DeepSpeed's leaf module reduces a zero gradient for it, where stock
-    leaves that parameter's gradient region as it was; the weights then differ from stock's. Turn it on for
-    models whose blocks use every parameter on every step. Applies to engines built after `install()`, on
-    DeepSpeed 0.19, at 1-2 ranks, without NVMe offload, never where the model has a leaf module or a
-    granularity threshold of the user's. See adapter/blockfetch.py."""
+    2 x H200: 480 -> 321-343 ms). Each gradient still goes through stock's per-parameter reduction, in
+    stock's order, so the results are stock's bits at any rank count, with parameters unused on some steps
+    too. Only blocks no larger than the model's largest module (the most stock gathers at once); never
+    with NVMe parameter offload, a leaf module or a granularity threshold of the user's. Applies to
+    engines built after `install()`. See adapter/blockfetch.py."""
 
     strict: bool = False
     """Raise where z3guard cannot guard (a DeepSpeed whose internals fail the self-check, a guard that fails

@@ -1,4 +1,4 @@
-"""Model factories for tests/test_blockfetch.py: the tied LM with an embedding larger than a block (as in a
+"""Model factories for tests/test_blockfetch.py and tests/test_world_sizes.py: the tied LM with an embedding larger than a block (as in a
 language model of any size: whole blocks are fetched only then), plain or with each block under activation
 checkpointing (as Hugging Face's gradient checkpointing runs a model's layers), reentrant or not."""
 from __future__ import annotations
@@ -60,8 +60,8 @@ class GatedBlock(nn.Module):
 
 
 class GatedLM(TinyLM):
-    def __init__(self):
-        super().__init__(vocab=VOCAB)
+    def __init__(self, skip_odd: bool = False):
+        super().__init__(vocab=VOCAB, skip_odd=skip_odd)
         self.blocks = nn.ModuleList(GatedBlock(64) for _ in range(3))
 
     def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
@@ -72,3 +72,19 @@ class GatedLM(TinyLM):
 
 def gated() -> GatedLM:
     return GatedLM()
+
+
+def gated_skip() -> GatedLM:
+    """Gated blocks, and the middle one left out on odd steps: a whole block unused, and parameters unused
+    inside blocks that run."""
+    return GatedLM(skip_odd=True)
+
+
+def gated_skip_leaf() -> GatedLM:
+    """The same, each block made a ZeRO-3 leaf module by hand: DeepSpeed's own leaf gradient path."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    model = gated_skip()
+    for block in model.blocks:
+        set_z3_leaf_module(block, True)
+    return model

@@ -5,22 +5,25 @@ Why: ZeRO-3 fetches and releases per module, through Python hooks around every m
 backward (a GPT-2 block has thirteen modules, seven of them with no parameters of their own). At GPT-2-medium
 size on 2 x H200 those hooks, not the copies, are most of the forward and backward with offload: the
 both-offloads step went from 480 to 321-343 ms with whole blocks (forward 138 -> 73-80 ms; docs/benchmarks.md).
-FSDP2 gathers per block for the same reason. DeepSpeed's leaf modules do exactly this (one fetch, one
-release per block); each gradient is the same sum, reduced once, after its block's backward.
+FSDP2 gathers per block for the same reason. A DeepSpeed leaf module is fetched once and released once.
 
-Only at 1 or 2 ranks: a leaf's gradients are reduced together after its backward, so they sit at other
-offsets of the reduction buckets than stock's. With 3 or more ranks the collective then adds the ranks'
-values in another order for some elements, and the result can differ from stock's in the last bits (3 gloo
-ranks: a loss after 15 steps; tests/test_world_sizes.py). With 2 ranks a sum has one order.
+Only the fetch changes. DeepSpeed's optimizer gives a leaf's parameters no gradient hook of their own: it
+reduces them all after the leaf's backward, in their registration order, with a zero gradient for a
+parameter the step did not use. That moves gradients to other offsets of the reduction buckets (at 3 or more
+ranks the collective then adds the ranks' values in another order) and overwrites the gradient region that
+stock leaves as it was for an unused parameter. So `after_hooks` hands the blocks' parameters back to stock's
+gradient path before the optimizer registers its hooks: each gradient is reduced when autograd produces it,
+in stock's order, and an unused one is not touched. Each block then holds at most its parameters gathered
+and, as in stock, the gradients not yet reduced.
 
 Which modules: the same-class children of an `nn.ModuleList` / `nn.Sequential` that occur at least twice,
 hold parameters in at least two modules, hold no more parameters than the model's largest single module
-(stock gathers that one whole, with its full gradient: a block no larger gathers no more at once, so the
-memory peak does not rise; a block of 0.8B parameters beside 0.27B modules raised it 10% on one H200), fit
-in `stage3_max_live_parameters` (DeepSpeed's own bound on gathered parameters), and hold no container of
+(stock gathers that one whole: a block no larger gathers no more at once, so the memory peak does not rise;
+a block of 0.8B parameters beside 0.27B modules raised it 10% on one H200), fit in
+`stage3_max_live_parameters` (DeepSpeed's own bound on gathered parameters), and hold no container of
 modules (experts chosen per step: a leaf would fetch every expert, where ZeRO-3 fetches the ones that run).
 Nothing is marked where the user marked a leaf module or set `stage3_module_granularity_threshold`: the
-fetch granularity is theirs then.
+fetch granularity is theirs then, and their leaf modules keep DeepSpeed's own gradient path.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Any
 from torch import nn
 
 MARK = "_z3guard_block"  # on the modules marked here: what `marked` counts
-PROVEN_RANKS = 2  # the most ranks at which a whole-block fetch reduces in stock's order (see above)
+OWNER = "_z3guard_block_of"  # on their parameters, in place of DeepSpeed's `ds_z3_leaf_module`
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
@@ -64,18 +67,33 @@ def mark(model: nn.Module, max_numel: int) -> int:
 
 def before_hooks(model: nn.Module, settings: dict[str, Any]) -> int:
     """Mark `model`'s blocks from DeepSpeedZeRoOffload's arguments, unless the user chose the granularity
-    (a granularity threshold), ZenFlow runs (its hooks transpose a module's parameters per fetch) or more
-    ranks reduce the gradients than the path is bit-identical for."""
+    (a granularity threshold) or ZenFlow runs (its hooks transpose a module's parameters per fetch)."""
     if settings.get("zero_module_granularity_threshold") or settings.get("zenflow"):
         return 0
-    ranks = reducing_ranks(settings.get("dp_process_group"))
-    if ranks > PROVEN_RANKS:
-        return _off(f"at {ranks} ranks: its gradients would be summed in another order than stock's "
-                    "(bit-identical at 1 or 2 ranks)")
     if str(getattr(settings.get("offload_param_config"), "device", "none")).endswith("nvme"):
         return _off("with NVMe parameter offload: a block swaps in all its partitions at once, more than "
                     "the swapper's buffers may hold")
     return mark(model, int(settings["max_live_parameters"]))
+
+
+def after_hooks(model: nn.Module) -> int:
+    """After DeepSpeed registered the module hooks, before its optimizer registers the gradient hooks: the
+    marked blocks' parameters stop being leaf parameters to the optimizer, so each gets stock's gradient
+    hook (see above). Returns how many parameters were handed back."""
+    handed = 0
+    for block in model.modules():
+        if getattr(block, MARK, False):
+            for param in block.parameters():
+                if getattr(param, "ds_z3_leaf_module", None) is block:
+                    del param.ds_z3_leaf_module
+                    setattr(param, OWNER, block)
+                    handed += 1
+    return handed
+
+
+def block_of(param: nn.Parameter) -> nn.Module | None:
+    """The block that fetches `param` whole: DeepSpeed's leaf module or one marked here."""
+    return getattr(param, "ds_z3_leaf_module", None) or getattr(param, OWNER, None)
 
 
 def _off(reason: str) -> int:
@@ -85,13 +103,6 @@ def _off(reason: str) -> int:
 
     speedpaths.say_off("block_fetch", reason, logging.WARNING)
     return 0
-
-
-def reducing_ranks(group: Any) -> int:
-    """How many ranks reduce the gradients: the data-parallel group DeepSpeed passes (None: all)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size(group=group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def marked(model: nn.Module) -> int:

@@ -100,6 +100,7 @@ class ZeroAdapter:
                 settings.apply_defaults()
                 blockfetch.before_hooks(module, settings.arguments)
             original_offload_init(offload, module, *args, **kwargs)
+            blockfetch.after_hooks(module)  # before the optimizer's gradient hooks: stock's, per parameter
             if fast and options.fast_hook_calls and speedpaths.allowed("quiet_modules"):
                 try:
                     quietmodules.quiet(offload, module)
@@ -187,7 +188,7 @@ class ZeroAdapter:
 
     def owns(self, module: nn.Module, param: nn.Parameter) -> bool:
         """True when `param` is already among what ZeRO-3 fetches for `module`."""
-        if getattr(param, "ds_z3_leaf_module", None) is module:
+        if blockfetch.block_of(param) is module:
             return True
         return id(param) in getattr(module, "_external_params", {}) or any(
             p is param for p in dict.values(module._parameters))

@@ -40,7 +40,8 @@ PATHS: tuple[SpeedPath, ...] = (
         "reset_step", "fetch_sub_module"))),
     SpeedPath("block_fetch", "fast_block_fetch", (
         OFFLOAD + "__init__", OFFLOAD + "setup_zero_stage3_hooks", OFFLOAD + "_register_deepspeed_module",
-        PPC + "fetch_sub_module", PPC + "release_sub_module", "deepspeed.utils.z3_leaf_module:set_z3_leaf_module")),
+        PPC + "fetch_sub_module", PPC + "release_sub_module", "deepspeed.utils.z3_leaf_module:set_z3_leaf_module",
+        "deepspeed.utils.z3_leaf_module:z3_leaf_parameter", S3 + "__init__", S3 + "create_reduce_and_remove_grad_hooks")),
     SpeedPath("writeback", "fast_writeback", (S3 + "_reassign_or_swap_out_partitioned_parameters", S3 + "step")),
     SpeedPath("fused_step", "fast_fused_step", (S3 + "unscale_and_clip_grads", S3 + "_optimizer_step", S3 + "step",
                                                 *ADAM)),
@@ -72,7 +73,7 @@ BY_NAME = {p.name: p for p in PATHS}
 # same shares the entry; `python -m z3guard.adapter.speedpaths` prints the installed release's fingerprints.
 VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "multi_trace": {"bd789db04da32298": ("0.19.8",)},
-    "block_fetch": {"24167d51938c7184": ("0.19.8",)},
+    "block_fetch": {"aaa5f1ce8d2ab827": ("0.19.8",)},
     "writeback": {"17209b17ba712915": ("0.19.8",)},
     "fused_step": {"f3d307ee9a6e7eed": ("0.19.8",)},
     "grad_offload": {"4048a2eddfab4ed2": ("0.19.8",)},
