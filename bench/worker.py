@@ -84,8 +84,8 @@ def make_engine(name: str, cfg: dict, device: str):
     with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=device == "cuda"):
         model, size = models.make(name, device)
     # fused on GPUs, as FSDP2's runs (fsdp2.py) and as a careful user sets it (Trainer's adamw_torch_fused)
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda") if "optimizer" not in cfg else None
-    kwargs = {"optimizer": adamw} if adamw is not None else {}
+    kwargs = {} if "optimizer" in cfg else {
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     return engine, size, sync

@@ -58,8 +58,8 @@ class GuardOptions:
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of
     module by module through hooks that cost more than the copies at transformer sizes (both offloads on
     2 x H200: 480 -> 321-343 ms). Each gradient still goes through stock's per-parameter reduction, in
-    stock's order, so the results are stock's bits at any rank count, with parameters unused on some steps
-    too. Only blocks no larger than the model's largest module (the most stock gathers at once); never
+    stock's order, so the results are stock's bits (tested at 2, 3 and 4 ranks, with parameters unused on
+    some steps). Only blocks no larger than the model's largest module (the most stock gathers at once); never
     with NVMe parameter offload, a leaf module or a granularity threshold of the user's. Applies to
     engines built after `install()`. See adapter/blockfetch.py."""
 

@@ -1,6 +1,7 @@
-"""Model factories for tests/test_blockfetch.py and tests/test_world_sizes.py: the tied LM with an embedding larger than a block (as in a
-language model of any size: whole blocks are fetched only then), plain or with each block under activation
-checkpointing (as Hugging Face's gradient checkpointing runs a model's layers), reentrant or not."""
+"""Model factories for tests/test_blockfetch.py and tests/test_world_sizes.py: the tied LM with an embedding
+larger than a block (as in a language model of any size: whole blocks are fetched only then), plain or with
+each block under activation checkpointing (as Hugging Face's gradient checkpointing runs a model's layers),
+reentrant or not, or with parameters unused on some steps (gated)."""
 from __future__ import annotations
 
 import torch

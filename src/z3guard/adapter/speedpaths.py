@@ -41,7 +41,8 @@ PATHS: tuple[SpeedPath, ...] = (
     SpeedPath("block_fetch", "fast_block_fetch", (
         OFFLOAD + "__init__", OFFLOAD + "setup_zero_stage3_hooks", OFFLOAD + "_register_deepspeed_module",
         PPC + "fetch_sub_module", PPC + "release_sub_module", "deepspeed.utils.z3_leaf_module:set_z3_leaf_module",
-        "deepspeed.utils.z3_leaf_module:z3_leaf_parameter", S3 + "__init__", S3 + "create_reduce_and_remove_grad_hooks")),
+        "deepspeed.utils.z3_leaf_module:z3_leaf_parameter", S3 + "__init__",
+        S3 + "create_reduce_and_remove_grad_hooks")),
     SpeedPath("writeback", "fast_writeback", (S3 + "_reassign_or_swap_out_partitioned_parameters", S3 + "step")),
     SpeedPath("fused_step", "fast_fused_step", (S3 + "unscale_and_clip_grads", S3 + "_optimizer_step", S3 + "step",
                                                 *ADAM)),
