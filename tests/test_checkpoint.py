@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from z3guard.checkpoint import CheckpointError, manifest
-from z3guard.checkpoint.faults import POINTS
+from z3guard.checkpoint.faults import POINTS, WRITE_BACK
 from z3guard.cli import app
 from z3guard.scenarios import compare, verify
 from z3guard.scenarios.job import Job
@@ -200,24 +200,44 @@ def test_a_write_failing_on_one_rank_ends_stocks_run_and_only_fails_z3guards_sav
 
 
 # Z3GUARD_MATRIX=full kills at every point; the main suite at one of each phase: writing, before the rename
-# that publishes, before `latest` moves.
-KILL_POINTS = POINTS if os.environ.get("Z3GUARD_MATRIX") == "full" else ("mid-data", "before-rename", "before-latest")
+# that publishes, before `latest` moves, and after the save returned, while its files go to disk.
+KILL_POINTS = (POINTS if os.environ.get("Z3GUARD_MATRIX") == "full" else
+               ("mid-data", "before-rename", "before-latest")) + (WRITE_BACK,)
 
 
 def test_kill_at_every_point_of_a_save_keeps_the_previous_checkpoint(runs):
+    """Killed before it is published, a save leaves the previous checkpoint and `latest` as they were.
+    Killed after (rank 0 dies while its files are still being synced, as its process exits), the page
+    cache finishes the write-back: the new checkpoint is whole and the resume starts from it."""
     roots = {p: runs / f"kill-{p}" for p in KILL_POINTS}
+    kept = {p: "step3" if p == WRITE_BACK else "step2" for p in KILL_POINTS}
     for point, root in roots.items():
         killed = run_jobs([Job("save", guard=True, steps=3, save_at=[2, 3], save_dir=str(root))],
                           runs / f"kill-{point}-launch", timeout=LAUNCH_TIMEOUT,
                           env={"Z3GUARD_KILL_AT": f"{point}@step3"})
         assert killed.returncode != 0, f"{point}: the rank was not killed"
-        assert (root / "latest").read_text() == "step2", point
-        manifest.verify(root / "step2", world_size=2)
+        assert (root / "latest").read_text() == kept[point], point
+        manifest.verify(root / kept[point], world_size=2)
     resumed = launch([Job(f"resume-{p}", guard=True, steps=4, load_dir=str(r)) for p, r in roots.items()],
                      runs / "kill-resume")
     for point in KILL_POINTS:
         res = resumed.result(f"resume-{point}")
-        assert res["start"] == 2 and res["crash"] is None and "load_error" not in res, point
+        assert res["start"] == int(kept[point][-1]) and res["crash"] is None and "load_error" not in res, point
+
+
+def test_a_disk_error_after_publishing_fails_the_next_save_on_every_rank(runs):
+    """A save is published before its files are on disk (stock's save returns at that point too, and never
+    hears of the write-back). An error the disk reports for it later, on one rank, fails the next save on
+    both ranks, naming the checkpoint; nothing of the next one is published."""
+    root = runs / "ckpt-write-back-error"
+    run = run_jobs([Job("eio", guard=True, steps=3, save_at=[2, 3], save_dir=str(root))],
+                   runs / "write-back-error", timeout=LAUNCH_TIMEOUT, env={"Z3GUARD_FAIL_AT": f"{WRITE_BACK}@step2:1"})
+    assert run.returncode == 0, run.log[-4000:]
+    for rank in (0, 1):
+        err = run.result("eio", rank)["save_error"]
+        assert "rank 1: the disk reported an error writing checkpoint 'step2' back after it was published" in err
+        assert "injected I/O error" in err and "durable_saves=on" in err
+    assert (root / "latest").read_text() == "step2" and not (root / "step3").exists()
 
 
 def test_check_checkpoint_cli(saved, tmp_path):
@@ -287,7 +307,8 @@ def test_a_folder_per_node_commits_each_and_resumes_exactly(runs):
 
     root = runs / "per-node"
     run = launch([Job("stock", steps=2, save_at=[2], save_dir=str(root / "stock{rank}")),
-                  Job("through", guard=True, steps=5, save_at=[3], save_dir=str(root / "node{rank}")),
+                  Job("through", guard=True, steps=5, save_at=[3], save_dir=str(root / "node{rank}"),
+                      options={"durable_saves": True}),  # each save on disk before it is published
                   Job("resumed", guard=True, steps=5, load_dir=str(root / "node{rank}"))], runs / "per-node-launch")
     assert (root / "stock0" / "latest").is_file() and not (root / "stock1" / "latest").exists()
     for r in (0, 1):

@@ -29,7 +29,7 @@ class EngineGuard:
             undo.append(self.trace.remove)
             adapter.guard_coordinator(engine, self.trace, multi_trace=options.fast_paths)
             undo.append(lambda: adapter.unguard_coordinator(engine))
-            self.checkpoint = CheckpointGuard(engine, adapter)
+            self.checkpoint = CheckpointGuard(engine, adapter, durable=options.durable_saves)
             undo.append(self.checkpoint.remove)
             self.fast_paths = adapter.apply_fast_paths(engine, options)
         except BaseException:

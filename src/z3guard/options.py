@@ -63,6 +63,16 @@ class GuardOptions:
     with NVMe parameter offload, a leaf module or a granularity threshold of the user's. Applies to
     engines built after `install()`. See adapter/blockfetch.py."""
 
+    durable_saves: bool = False
+    """Make `save_checkpoint` return only once its files are on disk: fsync before the rename that
+    publishes it and before `latest` moves, so that it survives a power loss or a machine crash right
+    after the call. Off (default), a save is published as soon as every rank's bytes are written and
+    hashed, as stock's save returns with its bytes in the page cache; the disk write-back then finishes
+    on a thread of its own while training goes on, a process that exits waits for it, and the next save
+    raises on every rank if the disk reported an error. A process that dies loses nothing either way; a
+    machine crash during those seconds can leave the newest checkpoint torn, which the load's
+    verification names (load the one before). Costs the disk's write time on each save."""
+
     strict: bool = False
     """Raise where z3guard cannot guard (a DeepSpeed whose internals fail the self-check, a guard that fails
     to apply) instead of warning once and letting stock DeepSpeed run. For users who would rather stop

@@ -118,6 +118,15 @@ class HashingWriter:
         for sync in self._syncs:
             sync.result()
 
+    def written(self) -> None:
+        """Raises unless every byte was handed to the kernel (the file was closed), or where an early
+        write-back already failed; the rest of the write-back may still be under way."""
+        if self._flusher is not None:
+            raise RuntimeError(f"{self.path}: still open after DeepSpeed's save")
+        for sync in self._syncs:
+            if sync.done() and sync.exception() is not None:
+                raise sync.exception()
+
     def entry(self) -> dict[str, Any]:
         """The manifest entry of what was written: size and block hashes."""
         blocks = self._blocks + ([self._current] if self._filled or not self._blocks else [])

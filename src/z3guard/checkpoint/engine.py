@@ -18,6 +18,7 @@ from .. import __version__
 from ..adapter import installed_release
 from . import digest, dist, faults, manifest, state, storage
 from .errors import CheckpointError
+from .writeback import WriteBack
 
 log = logging.getLogger("z3guard")
 STAGING = ".z3guard-staging"
@@ -27,9 +28,11 @@ class CheckpointGuard:
     """Replaces the engine's save/load methods (instance attributes: Trainer and accelerate call
     those) with staged, verified ones that keep DeepSpeed's signatures; `remove()` undoes that."""
 
-    def __init__(self, engine: Any, adapter: Any):
+    def __init__(self, engine: Any, adapter: Any, durable: bool = False):
         self.engine = engine
         self.adapter = adapter
+        self.durable = durable  # GuardOptions.durable_saves: fsync before publishing, not after
+        self.write_back = WriteBack()
         self.data_position: Any = None  # set by the caller (z3guard.set_data_position); saved per rank
         self.resumed_state: dict[str, Any] | None = None
         self._warned_async = False
@@ -42,6 +45,7 @@ class CheckpointGuard:
             setattr(engine, name, method)
 
     def remove(self) -> None:
+        self.write_back.wait()
         for name, method in self._own.items():
             if self.engine.__dict__.get(name) is not method:  # something wrapped ours since: leave it in place
                 log.warning("z3guard: %s was wrapped again after z3guard; that wrapper still calls z3guard's", name)
@@ -73,6 +77,8 @@ class CheckpointGuard:
                             "are DeepSpeed's own, without z3guard's staging, manifest and saved RNG streams")
                 self._warned_async = True
             return self._save(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
+        began = time.perf_counter()
+        self.write_back.finish()  # the last save's: on disk now, or its error raised on every rank
         root = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         final, staging = root / tag, root / STAGING / tag
@@ -84,7 +90,7 @@ class CheckpointGuard:
             except OSError as exc:
                 problem = f"{root / STAGING}: cannot take the save lock of checkpoint '{tag}': {exc}"
         dist.raise_if_any(problem, CheckpointError)
-        renaming = False
+        renaming, durable = False, self.durable
         try:  # rmtree: a staging folder left by a save that died
             _agreed(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)), store)
             faults.point("before-data", tag)
@@ -95,19 +101,19 @@ class CheckpointGuard:
                 faults.point("mid-data", tag)
                 _agreed(lambda: (state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
                                                                    self.data_position)),
-                                 [w.synced() for w in writers]))  # DeepSpeed's files on disk, or its error
+                                 [w.synced() if durable else w.written() for w in writers]))  # or its error
                 faults.point("before-manifest", tag)
                 m = self._manifest(tag, store)
                 written = {str(w.path.relative_to(staging)): w.entry() for w in writers
                            if w.path.is_relative_to(staging)}
                 m.files = storage.entries(staging, store, written, pool)
-            _agreed(lambda: (manifest.fsync_tree(staging), m.write(staging)), store)
+            _agreed(lambda: (durable and manifest.fsync_tree(staging), m.write(staging, durable)), store)
             faults.point("before-rename", tag)
             renaming = True  # the checkpoint appears whole (on each filesystem), or not at all
             _agreed(lambda: _publish(staging, final), store)
-            _agreed(lambda: manifest.fsync_dir(root), store)
+            _agreed(lambda: durable and manifest.fsync_dir(root), store)
             faults.point("before-latest", tag)  # every filesystem has committed its part
-            _agreed(lambda: save_latest and manifest.write_durably(root / "latest", tag.encode()), store)
+            _agreed(lambda: save_latest and manifest.write_durably(root / "latest", tag.encode(), durable), store)
         except Exception as exc:  # torch.save reports a failed write as RuntimeError, not OSError
             if store.leads:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -118,6 +124,10 @@ class CheckpointGuard:
                                   f"'latest' still points to {_latest(root)!r}.") from exc
         if store.leads:
             _release(root / STAGING, tag)
+        if not durable:  # published as stock's save returns: with its bytes still on their way to the disk
+            syncs = [lambda: manifest.fsync_tree(final), lambda: manifest.fsync_file(root / "latest"),
+                     lambda: manifest.fsync_dir(root)] if store.leads else []
+            self.write_back.start(tag, writers, syncs, began)
         return True
 
     def _deepspeed_save(self, folder: Path, tag: str, client_state: dict, kwargs: dict[str, Any],

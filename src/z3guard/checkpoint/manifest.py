@@ -30,8 +30,8 @@ class Manifest:
     storage: int = 0
     storages: int = 1
 
-    def write(self, folder: Path) -> None:
-        write_durably(folder / MANIFEST, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
+    def write(self, folder: Path, sync: bool = True) -> None:
+        write_durably(folder / MANIFEST, json.dumps(asdict(self), indent=1, sort_keys=True).encode(), sync)
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
@@ -120,25 +120,32 @@ def _checked(folder: Path, world_size: int | None, zero_stage: int | None, dtype
     return m
 
 
-def write_durably(path: Path, data: bytes) -> None:
-    """Write via a temporary file, fsync, then rename over `path`: readers see old or new, never half."""
+def write_durably(path: Path, data: bytes, sync: bool = True) -> None:
+    """Write via a temporary file, then rename over `path`: readers see old or new, never half. With
+    `sync`, the file and then the rename are on disk when this returns."""
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
 def fsync_tree(folder: Path) -> None:
     for p in sorted(folder.rglob("*"), reverse=True):
         if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
+            fsync_file(p)
         else:
             fsync_dir(p)
     fsync_dir(folder)
+
+
+def fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
 
 
 def fsync_dir(folder: Path) -> None:

@@ -280,6 +280,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
         result["module_counts"] = g.trace.module_counts()
         result["forward_steps"] = g.trace.forward_steps
+        g.checkpoint.write_back.wait()  # the last save on disk: from its start, how long that took
+        result["durable_seconds"] = g.checkpoint.write_back.durable_seconds
     if result["crash"] is None and job.keep_state:
         result["state"] = {**gathered_state(engine, job.moments), **read}
         result["optimizer"] = optimizer_tensors(engine)
