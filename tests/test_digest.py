@@ -60,3 +60,20 @@ def test_an_early_write_back_failure_is_raised_by_synced(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="Input/output error"):
             writer.synced()
     assert len(calls) >= 2 and (tmp_path / "w.pt").stat().st_size == 1 << 18
+
+
+def test_without_sync_the_writer_leaves_the_bytes_to_the_page_cache(tmp_path, monkeypatch):
+    """A save published before it is on disk writes as stock's `torch.save` does: no fdatasync beside the
+    writes (it would slow them to the disk's rate); the hashes are the same."""
+    monkeypatch.setattr(digest, "BLOCK", 1 << 16)
+    monkeypatch.setattr(digest, "OVERLAP", 1 << 10)
+    calls = []
+    monkeypatch.setattr(digest.os, "fdatasync", calls.append)
+    with ThreadPoolExecutor(2) as pool:
+        writer = digest.HashingWriter(tmp_path / "w.pt", pool, sync=False)
+        writer.write(bytes(range(256)) * 1024)  # four blocks
+        writer.close()
+        writer.written()
+        writer.synced()
+        assert writer.entry() == digest.hash_files([tmp_path / "w.pt"], pool)[tmp_path / "w.pt"]
+    assert calls == [] and (tmp_path / "w.pt").stat().st_size == 1 << 18

@@ -31,9 +31,14 @@ def threads() -> int:
 class HashingWriter:
     """A binary file opened for writing that hashes its blocks as bytes arrive. `torch.save` writes to it as
     to any file object (it needs only `write` and `flush`); there is deliberately no `fileno`, which would let
-    the legacy format write around it."""
+    the legacy format write around it.
 
-    def __init__(self, path: str | os.PathLike, pool: ThreadPoolExecutor):
+    With `sync`, the file goes to disk as it is written (each finished block handed to the disk at once)
+    and `synced()` waits until it is there: for a save that is durable before it is published. Without,
+    the bytes stay in the page cache, as stock's `torch.save` leaves them: a disk write-back running beside
+    the writes slows them to the disk's rate (measured), and the published folder is synced afterwards."""
+
+    def __init__(self, path: str | os.PathLike, pool: ThreadPoolExecutor, sync: bool = True):
         self.path = Path(path)
         self._file = self.path.open("wb")
         self._pool = pool
@@ -41,7 +46,8 @@ class HashingWriter:
         self._current = hashlib.sha256()
         self._filled = 0
         self.size = 0
-        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="z3guard-writeback")
+        self._sync = sync
+        self._flusher: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="z3guard-writeback")
         self._syncs: list[Any] = []  # this file's fdatasyncs, in order; the last one ends with the close
 
     def write(self, data: Any) -> int:
@@ -64,7 +70,7 @@ class HashingWriter:
             pending = [self._pool.submit(h.update, part) for h, part, _ in parts]
             for _, part, ends in parts:
                 self._file.write(part)
-                if ends:
+                if ends and self._sync:
                     self._write_back()
             for f in pending:
                 f.result()
@@ -78,6 +84,7 @@ class HashingWriter:
         if self._syncs and not self._syncs[-1].done():
             return
         self._file.flush()
+        assert self._flusher is not None
         self._syncs.append(self._flusher.submit(os.fdatasync, self._file.fileno()))
 
     def __str__(self) -> str:  # DeepSpeed's writer logs the path it was given
@@ -90,8 +97,8 @@ class HashingWriter:
         return self.size
 
     def close(self) -> None:
-        """Hands the file's last bytes to the disk and closes it on the write-back thread, so that the next
-        file's serialization overlaps them; `synced` waits for that."""
+        """With `sync`, hands the file's last bytes to the disk and closes it on the write-back thread, so
+        that the next file's serialization overlaps them (`synced` waits for that); without, closes it."""
         if self._flusher is None:
             return
         flusher, self._flusher = self._flusher, None
@@ -101,7 +108,10 @@ class HashingWriter:
             self._file.close()
             flusher.shutdown(wait=True)
             raise
-        self._syncs.append(flusher.submit(self._sync_and_close))
+        if self._sync:
+            self._syncs.append(flusher.submit(self._sync_and_close))
+        else:
+            self._file.close()
         flusher.shutdown(wait=False)
 
     def _sync_and_close(self) -> None:

@@ -97,7 +97,7 @@ class CheckpointGuard:
             writers: list[digest.HashingWriter] = []  # this rank's files, hashed as they are written
             with ThreadPoolExecutor(digest.threads()) as pool:
                 _agreed(lambda: self._deepspeed_save(root / STAGING, tag, client_state or {}, kwargs,
-                                                     _opening_into(writers, pool)))
+                                                     _opening_into(writers, pool, durable)))
                 faults.point("mid-data", tag)
                 _agreed(lambda: (state.save(staging, state.capture(self.adapter.loss_scaler_state(self.engine),
                                                                    self.data_position)),
@@ -269,11 +269,12 @@ def _agreed(action: Callable[[], Any], store: storage.Storage | None = None) -> 
     dist.on_every_rank(part, CheckpointError)
 
 
-def _opening_into(writers: list[digest.HashingWriter], pool: ThreadPoolExecutor) -> Callable:
-    """A file opener for DeepSpeed's writer that keeps each writer in `writers`: their files are still being
-    synced to disk when DeepSpeed's save returns, and their hashes make the manifest's entries."""
+def _opening_into(writers: list[digest.HashingWriter], pool: ThreadPoolExecutor, sync: bool) -> Callable:
+    """A file opener for DeepSpeed's writer that keeps each writer in `writers`: their hashes make the
+    manifest's entries, and with `sync` their files are still being synced to disk when DeepSpeed's save
+    returns."""
     def open_file(path: str) -> digest.HashingWriter:
-        writers.append(digest.HashingWriter(path, pool))
+        writers.append(digest.HashingWriter(path, pool, sync))
         return writers[-1]
 
     return open_file
