@@ -127,7 +127,7 @@ class CheckpointGuard:
         if not durable:  # published as stock's save returns: with its bytes still on their way to the disk
             syncs = [lambda: manifest.fsync_tree(final), lambda: manifest.fsync_file(root / "latest"),
                      lambda: manifest.fsync_dir(root)] if store.leads else []
-            self.write_back.start(tag, writers, syncs, began)
+            self.write_back.start(tag, syncs, began)
         return True
 
     def _deepspeed_save(self, folder: Path, tag: str, client_state: dict, kwargs: dict[str, Any],

@@ -13,7 +13,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from . import dist, faults
-from .digest import HashingWriter
 from .errors import CheckpointError
 
 log = logging.getLogger("z3guard")
@@ -28,20 +27,16 @@ class WriteBack:
         self._tag = ""
         self.durable_seconds: float | None = None  # the last save's, from its start until it was on disk
 
-    def start(self, tag: str, writers: Sequence[HashingWriter], syncs: Sequence[Callable[[], None]],
-              began: float) -> None:
-        """Wait for this rank's `writers` to reach the disk, then run `syncs` (the fsyncs of what else the
-        save wrote or renamed); `began` is when the save started."""
+    def start(self, tag: str, syncs: Sequence[Callable[[], None]], began: float) -> None:
+        """Run `syncs` (the fsyncs of what the save wrote and renamed); `began` is when the save started."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="z3guard-writeback")
         self._tag, self.durable_seconds = tag, None
-        self._pending = self._thread.submit(self._run, tag, list(writers), list(syncs), began)
+        self._pending = self._thread.submit(self._run, tag, list(syncs), began)
 
-    def _run(self, tag: str, writers: list[HashingWriter], syncs: list[Callable[[], None]], began: float) -> None:
+    def _run(self, tag: str, syncs: list[Callable[[], None]], began: float) -> None:
         try:
             faults.point(faults.WRITE_BACK, tag)
-            for w in writers:
-                w.synced()
             for sync in syncs:
                 try:
                     sync()
@@ -78,4 +73,3 @@ class WriteBack:
                 self._pending.result()
             except Exception:
                 pass  # logged by the thread
-
