@@ -2,7 +2,7 @@
 
     python bench/steady_state.py --device cuda --out /tmp/steady     # bench/gpu.sh runs it
 
-1. bit-identity of the offload fast paths over 52 steps with 5 skipped steps, stock vs z3guard:
+1. bit-identity of the fast paths over 52 steps with 5 skipped steps, stock vs z3guard: no offload,
    offload_param only, and offload_param + offload_optimizer with DeepSpeedCPUAdam; with reads right
    after `step` (GatheredParameters, an eval forward, a checkpoint) and every gradient read and set
    through DeepSpeed's accessors; `--scenario tied` runs an LM of repeated blocks (fetched whole);
@@ -31,13 +31,14 @@ EVENTS = {"5": ["gathered"], "11": ["eval"], "26": ["gathered"], "33": ["eval", 
 GRADS = dict(grads={"2": ["before", "after"], "3": ["after"], "4": ["halve"], "5": ["after"], "12": ["before", "after"],
                     "25": ["before", "halve", "after"], "26": ["after"], "41": ["halve", "after"], "52": ["after"]})
 PAIRS = {  # name -> config overrides of the HF ZeRO-3 example (offload of both, fp16)
+    "no offload": {"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}},
     "offload_param": {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
     "param+optimizer, DeepSpeedCPUAdam": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}},
 }
 
 
 def bit_identity(device: str, out: Path, options: dict | None = None, only: str = "",
-                 control: bool = False, scenario: str = "clip") -> list[dict]:
+                 control: bool = False, scenario: str = "clip", nproc: int = 2) -> list[dict]:
     """`options`: GuardOptions fields of the z3guard run; `only`: the pairs whose name contains it;
     `control`: stock against stock (is the stock run itself repeatable here?); `scenario`: the model
     ("tied": an LM of repeated blocks, which z3guard fetches whole)."""
@@ -49,12 +50,12 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
         jobs = [Job(job, **common, guard=guard, options=(options or {}) if guard else {}, save_at=[20],
                     save_dir=str(out / f"pair{i}" / f"ckpt-{job}"))
                 for job, guard in (("stock", False), ("z3guard", not control))]
-        done = run_jobs(jobs, out / f"pair{i}", device)
+        done = run_jobs(jobs, out / f"pair{i}", device, nproc=nproc)
         if done.returncode != 0:
             rows.append({"run": name, "error": done.log[-3000:]})
             continue
         stock, guarded = done.result("stock"), done.result("z3guard")
-        diff = compare.first_job_difference(done, "stock", "z3guard")
+        diff = compare.first_job_difference(done, "stock", "z3guard", nproc=nproc)
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
                      "stock_skipped": stock["skipped"], "fast_paths": guarded.get("fast_paths", []),
                      "overflow_reads": guarded.get("overflow_reads"), "grad_offload": guarded.get("grad_offload"),
@@ -76,10 +77,11 @@ def main(device: str = "cuda", out: Path = Path("/tmp/steady"),
          options: str = typer.Option("{}", help="GuardOptions fields of the z3guard runs, as JSON"),
          only: str = typer.Option("", help="only the pairs whose name contains this"),
          control: bool = typer.Option(False, help="stock against stock instead of z3guard"),
-         scenario: str = typer.Option("clip", help="the model of the bit-identity pairs")) -> None:
+         scenario: str = typer.Option("clip", help="the model of the bit-identity pairs"),
+         nproc: int = typer.Option(2, help="ranks of the bit-identity pairs (one GPU each); the memory run takes 2")) -> None:
     console = Console(width=160)
     out.mkdir(parents=True, exist_ok=True)
-    rows = bit_identity(device, out, json.loads(options), only, control, scenario)
+    rows = bit_identity(device, out, json.loads(options), only, control, scenario, nproc)
     mem = memory(device, out, steps) if steps else {}
     t = Table(title=f"fast paths vs stock, {scenario}, 52 steps, skipped {SKIPS} ({device})")
     for col in ("run", "fast paths", "skipped equal", "first difference"):

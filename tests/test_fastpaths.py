@@ -94,6 +94,22 @@ def test_lean_hooks_keep_stocks_behaviour_and_come_off_whole(monkeypatch):
         leanhooks.remove()
 
 
+def test_grad_bucket_covers_the_plain_paths_and_leaves_nsys_its_range(monkeypatch):
+    """The lean bucket copy goes on for the CPU and CUDA accelerators' stock path only (the CUDA one is
+    checked against stock on GPUs: bench/steady_state.py), never beside ZenFlow, and not while a profiler's
+    NVTX tool is injected, so that nsys keeps DeepSpeed's range around the copy."""
+    from types import SimpleNamespace
+
+    from z3guard.adapter import gradbucket
+
+    stage3 = SimpleNamespace(ipg_buckets={}, zenflow=False)  # what it reads of the optimizer
+    assert gradbucket.applicable(stage3)  # the CPU accelerator these tests run on
+    assert not gradbucket.applicable(SimpleNamespace(ipg_buckets={}, zenflow=True))
+    assert not gradbucket.applicable(SimpleNamespace(zenflow=False))  # a stage 3 without buckets
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsight/libToolsInjection64.so")
+    assert not gradbucket.applicable(stage3)
+
+
 def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
     skips = [3, 10, 25, 26]  # one right after another too
@@ -103,7 +119,7 @@ def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
-    assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks"} <= set(fast["fast_paths"])
+    assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks", "grad_bucket"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []
     # every gradient's norm and fp32 cast taken from the partition still on the device; the global norm
     # summed on the host at every step that was not skipped

@@ -20,7 +20,7 @@ DS_ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay":
 STEPS = 56 if os.environ.get("Z3GUARD_MATRIX") == "full" else 30
 SKIPS = [s for s in (3, 10, 25, 26, 41, 53) if s <= STEPS]  # one right after another too
 SPEED_PATHS = {"block_fetch=3", "writeback", "fused_step", "grad_offload", "grads_cast_on_host", "overflow_check",
-               "persistent_gather", "host_threads=2", "lean_hooks"}
+               "persistent_gather", "host_threads=2", "lean_hooks", "grad_bucket"}
 
 
 @pytest.fixture(scope="module", params=[3, 4])

@@ -12,6 +12,7 @@ their own.
   read (gradoffload.py); beside the fused step, no fp32 copy at all: cast on the host (hostgrads.py).
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
+- gradients into the reduce bucket: the same copy with one stream lookup, not six (gradbucket.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, gradoffload, hostgrads, overflow, persistent
+from . import fusedstep, gradbucket, gradoffload, hostgrads, overflow, persistent
 from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
@@ -55,7 +56,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
           persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False,
-          grads_on_host: bool = True) -> list[str]:
+          grads_on_host: bool = True, grad_bucket: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names. None where
     something else already replaced one of the methods they replace on this instance (ZenFlow's
     overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
@@ -67,7 +68,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         return []
     try:
         return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload,
-                      grads_on_host)
+                      grads_on_host, grad_bucket)
     except BaseException:  # none or all: what was set before the failure goes again
         opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]
         remove(engine)
@@ -75,9 +76,12 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None, persistent_gather: bool,
-           fused_step: bool, grad_offload: bool, grads_on_host: bool) -> list[str]:
+           fused_step: bool, grad_offload: bool, grads_on_host: bool, grad_bucket: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
+    if grad_bucket and plain and gradbucket.applicable(opt):
+        gradbucket.apply(opt)
+        applied.append("grad_bucket")
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")
@@ -109,7 +113,7 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
     return applied
 
 
-PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step",
+PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step", *gradbucket.PATCHED,
            *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *gradoffload.PATCHED, *hostgrads.PATCHED)
 
 
