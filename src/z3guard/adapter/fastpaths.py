@@ -12,7 +12,7 @@ their own.
   read (gradoffload.py); beside the fused step, no fp32 copy at all: cast on the host (hostgrads.py).
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
-- gradients into the reduce bucket: the same copy with one stream lookup, not six (gradbucket.py).
+- gradients into the reduce bucket: the same copy with one stream lookup, not three (gradbucket.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam

@@ -1,12 +1,12 @@
-"""Each gradient into ZeRO-3's reduce bucket with one stream lookup, not six.
+"""Each gradient into ZeRO-3's reduce bucket with one stream lookup, not three.
 
 Stage 3 hooks every parameter that needs a gradient. When the gradient arrives, the hook copies it into the
 flat bucket that the reduce-scatter reads later, on DeepSpeed's reduce stream: one copy kernel. Around that
-kernel, DeepSpeed's `__add_grad_to_ipg_bucket` asks for the current CUDA stream four times without a device
-index, enters a stream context (two more lookups and a device check), and runs inside an NVTX wrapper and a
-`no_grad` decorator. Without offload the backward waits on the host, not the GPU: on one H200 (GPT-2
-medium, 292 parameters) the GPU was busy for 39 ms of a 94 ms backward, and this method was the largest
-piece of the host's Python time there.
+kernel, DeepSpeed's `__add_grad_to_ipg_bucket` asks for the current CUDA stream twice without a device
+index (each time torch works the device out again), enters and leaves a stream context (a third lookup and
+device checks), and runs inside an NVTX wrapper and a `no_grad` decorator. Without offload the backward
+waits on the host, not the GPU: on one H200 (GPT-2 medium, 292 parameters) the GPU was busy for 39 ms of a
+94 ms backward, and this method was the largest piece of the host's Python time there.
 
 Here the method does the same work in the same order: the reduce stream waits for the current one; on the
 reduce stream the gradient is copied into the bucket's next slice and its memory recorded as used there;
