@@ -95,19 +95,20 @@ def test_lean_hooks_keep_stocks_behaviour_and_come_off_whole(monkeypatch):
 
 
 def test_grad_bucket_covers_the_plain_paths_and_leaves_nsys_its_range(monkeypatch):
-    """The lean bucket copy goes on for the CPU and CUDA accelerators' stock path only (the CUDA one is
-    checked against stock on GPUs: bench/steady_state.py), never beside ZenFlow, and not while a profiler's
-    NVTX tool is injected, so that nsys keeps DeepSpeed's range around the copy."""
+    """The lean bucket copy goes on for the CPU accelerator's stock path (every offload setting, checked
+    against stock in this suite) and for CUDA's without offload (checked on GPUs: bench/steady_state.py);
+    never beside ZenFlow, and not while a profiler's NVTX tool is injected, so that nsys keeps DeepSpeed's
+    range around the copy. Each reason is said once when the path stays off."""
     from types import SimpleNamespace
 
     from z3guard.adapter import gradbucket
 
     stage3 = SimpleNamespace(ipg_buckets={}, zenflow=False)  # what it reads of the optimizer
-    assert gradbucket.applicable(stage3)  # the CPU accelerator these tests run on
-    assert not gradbucket.applicable(SimpleNamespace(ipg_buckets={}, zenflow=True))
-    assert not gradbucket.applicable(SimpleNamespace(zenflow=False))  # a stage 3 without buckets
+    assert gradbucket.why_off(stage3) is None  # the CPU accelerator these tests run on
+    assert "ZenFlow" in gradbucket.why_off(SimpleNamespace(ipg_buckets={}, zenflow=True))
+    assert gradbucket.why_off(SimpleNamespace(zenflow=False)) is not None  # a stage 3 without buckets
     monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsight/libToolsInjection64.so")
-    assert not gradbucket.applicable(stage3)
+    assert "NVTX" in gradbucket.why_off(stage3)
 
 
 def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, gradbucket, gradoffload, hostgrads, overflow, persistent
+from . import fusedstep, gradbucket, gradoffload, hostgrads, overflow, persistent, speedpaths
 from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
@@ -79,9 +79,13 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
            fused_step: bool, grad_offload: bool, grads_on_host: bool, grad_bucket: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
-    if grad_bucket and plain and gradbucket.applicable(opt):
-        gradbucket.apply(opt)
-        applied.append("grad_bucket")
+    if grad_bucket and plain:
+        reason = gradbucket.why_off(opt)
+        if reason is None:
+            gradbucket.apply(opt)
+            applied.append("grad_bucket")
+        else:
+            speedpaths.say_off("grad_bucket", reason)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")

@@ -13,8 +13,9 @@ reduce stream the gradient is copied into the bucket's next slice and its memory
 the gradient then points at the slice, and the bucket notes the parameter. The current stream is looked up
 once, and the switch to the reduce stream and back is the one a stream context makes (`set_stream`). The
 same kernels on the same streams in the same order: the same bytes. On the CPU accelerator (no streams)
-only the copy and the bookkeeping remain, as in stock. It stays off for ZenFlow, for other accelerators,
-and while a profiler's NVTX tool is injected (so `nsys` keeps this range).
+only the copy and the bookkeeping remain, as in stock. On GPUs it was compared with stock without offload,
+so it stays off there with offload; and everywhere for ZenFlow, other accelerators, and while a profiler's
+NVTX tool is injected (so `nsys` keeps this range).
 """
 from __future__ import annotations
 
@@ -38,15 +39,26 @@ def _accelerator_kind() -> str | None:
     return "cuda" if kind is CUDA_Accelerator else "cpu" if kind is CPU_Accelerator else None
 
 
-def applicable(opt: Any) -> bool:
-    """The configurations the lean method covers: stock's code path for CUDA (a reduce stream on the GPU)
-    or the CPU accelerator, without ZenFlow, with no NVTX tool injected."""
+def why_off(opt: Any) -> str | None:
+    """None where the lean method covers the configuration and was checked against stock in it: the CPU
+    accelerator (every offload setting, in CI) and CUDA without offload (compared with stock on GPUs
+    without offload only). Else why stock's method runs."""
     kind = _accelerator_kind()
-    if kind is None or getattr(opt, "zenflow", False) or not hasattr(opt, "ipg_buckets"):
-        return False
+    if kind is None:
+        return "on this accelerator (covered: CUDA's and the CPU's)"
+    if getattr(opt, "zenflow", False):
+        return "beside ZenFlow's gradient handling"
+    if not hasattr(opt, "ipg_buckets"):
+        return "without DeepSpeed's reduce buckets (ipg_buckets)"
     if any(os.environ.get(v) for v in NVTX_TOOL):
-        return False
-    return kind == "cpu" or isinstance(getattr(opt, "reduce_and_partition_stream", None), torch.cuda.Stream)
+        return "while a profiler's NVTX tool is injected (DeepSpeed's range around the copy stays)"
+    if kind == "cpu":
+        return None
+    if getattr(opt, "offload_param", True) or getattr(opt, "offload_optimizer", True):
+        return "with offload on GPUs (compared with stock on GPUs without offload only)"
+    if not isinstance(getattr(opt, "reduce_and_partition_stream", None), torch.cuda.Stream):
+        return "without a CUDA reduce stream"
+    return None
 
 
 def apply(opt: Any) -> None:
