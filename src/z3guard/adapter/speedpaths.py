@@ -88,7 +88,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "host_threads": {"41e71924906e0aff": ("0.19.8",)},
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
     "lean_hooks": {"15d80a777cc6e8a4": ("0.19.5", "0.19.8")},
-    "grad_bucket": {"cd3f5c57745490f4": ("0.19.8",)},
+    "grad_bucket": {"cd3f5c57745490f4": ("0.19.5", "0.19.8")},
 }
 
 
