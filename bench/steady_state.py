@@ -78,7 +78,8 @@ def main(device: str = "cuda", out: Path = Path("/tmp/steady"),
          only: str = typer.Option("", help="only the pairs whose name contains this"),
          control: bool = typer.Option(False, help="stock against stock instead of z3guard"),
          scenario: str = typer.Option("clip", help="the model of the bit-identity pairs"),
-         nproc: int = typer.Option(2, help="ranks of the bit-identity pairs (one GPU each); the memory run takes 2")) -> None:
+         nproc: int = typer.Option(2, help="ranks of the bit-identity pairs (one GPU each); the memory run "
+                                           "takes 2")) -> None:
     console = Console(width=160)
     out.mkdir(parents=True, exist_ok=True)
     rows = bit_identity(device, out, json.loads(options), only, control, scenario, nproc)

@@ -98,7 +98,7 @@ def test_grad_bucket_covers_the_plain_paths_and_leaves_nsys_its_range(monkeypatc
     """The lean bucket copy goes on for the CPU accelerator's stock path (every offload setting, checked
     against stock in this suite) and for CUDA's without offload (checked on GPUs: bench/steady_state.py);
     never beside ZenFlow, and not while a profiler's NVTX tool is injected, so that nsys keeps DeepSpeed's
-    range around the copy. Each reason is said once when the path stays off."""
+    range around the copy."""
     from types import SimpleNamespace
 
     from z3guard.adapter import gradbucket
@@ -120,7 +120,8 @@ def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
                    Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
-    assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks", "grad_bucket"} <= set(fast["fast_paths"])
+    assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks",
+            "grad_bucket"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []
     # every gradient's norm and fp32 cast taken from the partition still on the device; the global norm
     # summed on the host at every step that was not skipped

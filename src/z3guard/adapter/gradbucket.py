@@ -78,8 +78,7 @@ def _add_on_cuda(self: Any, param: Any) -> None:
         if self.contiguous_gradients and bucket.elements + grad.numel() <= self.reduce_bucket_size:
             torch.cuda.set_stream(reduce)
             try:
-                slot = bucket.buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
-                slot.copy_(grad, non_blocking=True)
+                slot = _copy_into(bucket, grad)
                 grad.record_stream(reduce)  # stock's current stream at this point: the reduce stream
                 grad.data = slot
             finally:
@@ -92,10 +91,15 @@ def _add_synchronized(self: Any, param: Any) -> None:
         bucket = self.ipg_buckets[self.get_param_comm_dtype(param)]
         grad = param.grad
         if self.contiguous_gradients and bucket.elements + grad.numel() <= self.reduce_bucket_size:
-            slot = bucket.buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
-            slot.copy_(grad, non_blocking=True)
-            grad.data = slot
+            grad.data = _copy_into(bucket, grad)
         _note(self, bucket, param)
+
+
+def _copy_into(bucket: Any, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient copied into the bucket's next slice, on the current stream; returns the slice."""
+    slot = bucket.buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
+    slot.copy_(grad, non_blocking=True)
+    return slot
 
 
 def _note(self: Any, bucket: Any, param: Any) -> None:
