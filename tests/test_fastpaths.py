@@ -94,6 +94,34 @@ def test_lean_hooks_keep_stocks_behaviour_and_come_off_whole(monkeypatch):
         leanhooks.remove()
 
 
+def test_lean_hooks_give_zero3_linear_its_signature_once(monkeypatch):
+    """torch binds a `setup_context` Function's arguments to its forward's signature on every call;
+    stock DeepSpeed's memory-efficient linear has `inspect` rebuild it each time, the lean hooks do not.
+    The signature is inspect's own, and `remove` takes it away again."""
+    import inspect
+
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3, zero3_linear_wrap
+
+    from z3guard.adapter import leanhooks
+
+    built = []
+    rebuild = inspect._signature_from_function
+    monkeypatch.setattr(inspect, "_signature_from_function", lambda *a, **k: built.append(1) or rebuild(*a, **k))
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4, requires_grad=True), torch.randn(5)
+    expected = zero3_linear_wrap(x, w, b)
+    assert built  # stock: rebuilt on the call
+    forward = LinearFunctionForZeroStage3.forward
+    signature = inspect.signature(forward)
+    leanhooks.apply()
+    try:
+        assert forward.__signature__ == signature
+        built.clear()
+        assert torch.equal(zero3_linear_wrap(x, w, b), expected) and built == []
+    finally:
+        leanhooks.remove()
+    assert "__signature__" not in vars(forward)
+
+
 def test_grad_bucket_covers_the_plain_paths_and_leaves_nsys_its_range(monkeypatch):
     """The lean bucket copy goes on for the CPU accelerator's stock path (every offload setting, checked
     against stock in this suite) and for CUDA's without offload (checked on GPUs: bench/steady_state.py);
@@ -123,6 +151,7 @@ def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks",
             "grad_bucket"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []
+    assert fast["presigned_hooks"] > 0 and plain["presigned_hooks"] == 0  # lean_hooks' Function signatures
     # every gradient's norm and fp32 cast taken from the partition still on the device; the global norm
     # summed on the host at every step that was not skipped
     moved = fast["grad_offload"]

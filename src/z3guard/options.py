@@ -49,9 +49,10 @@ class GuardOptions:
     fast_hook_calls: bool = True
     """Fewer and cheaper ZeRO-3 module hooks. The hooks run about a thousand times per step, and without
     offload the step waits on them. Modules with no parameter below them (activations, dropout) get none
-    (engines built after `install()`; adapter/quietmodules.py), and three lookups inside the others are
+    (engines built after `install()`; adapter/quietmodules.py), and four lookups inside the others are
     made cheap: the current CUDA stream, NVTX ranges that no profiler receives (left on where one is
-    injected, as under nsys), and a debug print's rank query (adapter/leanhooks.py). Each gradient's copy
+    injected, as under nsys), a debug print's rank query, and the signature torch binds each call of
+    DeepSpeed's autograd Functions to (adapter/leanhooks.py). Each gradient's copy
     into the reduce bucket, one per parameter per step, looks the stream up once (adapter/gradbucket.py; on
     GPUs without offload). The same kernels and collectives with the same contents; off only to compare with stock."""
 

@@ -298,6 +298,7 @@ class ZeroAdapter:
         if options.fast_hook_calls and ok("lean_hooks"):
             try:  # process-wide; undone with the global patches
                 leanhooks.apply()
+                leanhooks.presign_module_hooks(engine.module)
                 applied.append("lean_hooks")
             except Exception as exc:  # this path alone stays off; the guard and the other paths go on
                 speedpaths.say_off("lean_hooks", f"here: {exc}", logging.WARNING)

@@ -66,7 +66,8 @@ PATHS: tuple[SpeedPath, ...] = (
         PPC + "fetch_sub_module", PPC + "release_sub_module", PPC + "record_module")),
     SpeedPath("lean_hooks", "fast_hook_calls", (
         "deepspeed.runtime.zero.partition_parameters:print_rank_0", "deepspeed.utils.nvtx:instrument_w_nvtx",
-        "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.current_stream")),
+        "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.current_stream",
+        "deepspeed.runtime.zero.linear:LinearFunctionForZeroStage3.forward", OFFLOAD + "_register_deepspeed_module")),
     SpeedPath("grad_bucket", "fast_hook_calls", (
         S3 + "__add_grad_to_ipg_bucket", S3 + "_get_param_partition_group",
         *(f"deepspeed.accelerator.{m}_accelerator:{m.upper()}_Accelerator.{f}" for m in ("cuda", "cpu")
@@ -87,7 +88,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "persistent_gather": {"e35f20b122fce0ca": ("0.19.8",)},
     "host_threads": {"41e71924906e0aff": ("0.19.8",)},
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
-    "lean_hooks": {"15d80a777cc6e8a4": ("0.19.5", "0.19.8")},
+    "lean_hooks": {"f96c6e070221755e": ("0.19.5", "0.19.8")},
     "grad_bucket": {"cd3f5c57745490f4": ("0.19.5", "0.19.8")},
 }
 

@@ -275,6 +275,9 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["grad_offload"] = dict(getattr(engine.optimizer, "z3guard_grad_offload", {}))
         result["grads_written"] = dict(getattr(engine.optimizer, "z3guard_lazy_written", {}))  # hostgrads' notes
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
+        result["presigned_hooks"] = sum(  # ZeRO-3's per-module backward Functions whose signature is set
+            "__signature__" in vars(f.forward) for m in engine.module.modules()
+            for f in (vars(m).get("pre_bwd_fn"), vars(m).get("post_bwd_fn")) if f is not None)
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
