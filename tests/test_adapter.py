@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from packaging.version import Version
+import torch
 from torch import nn
 
 import deepspeed
@@ -228,3 +229,28 @@ def test_z3guard_env_names_every_field_as_json():
     assert ds["tested"] == (releases.tested(deepspeed.__version__) is not None)
     assert set(ds["speed_paths"]) == {p.name for p in speedpaths.PATHS}
     assert set(data["startup_hook"]) == {"installed", "Z3GUARD", "enabled", "Z3GUARD_OPTIONS", "options"}
+
+
+def test_module_params_is_what_zero3_fetches_for_a_module_and_a_leaf_block():
+    """The divergence check's parameter set, read from the modules' dicts, against DeepSpeed's own
+    `iter_params` (recursive for a leaf module), with a submodule shared twice and a parameter unset."""
+    from deepspeed.runtime.zero.partition_parameters import _init_external_params
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    shared = nn.Linear(2, 2)
+    block = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.ReLU(), shared), nn.LayerNorm(3))
+    block.register_parameter("unset", None)
+    block.register_parameter("own", nn.Parameter(torch.ones(1)))
+    for m in block.modules():
+        _init_external_params(m)  # as ZeRO-3 does for every module
+    outside = nn.Parameter(torch.ones(1))
+    block._external_params[id(outside)] = outside  # what register_external_parameter(block, ...) adds
+    fetched = adapter.load().module_params
+    for module in (block, shared):
+        assert fetched(module).keys() == {id(p) for p in iter_params(module, recurse=False)}
+    set_z3_leaf_module = getattr(deepspeed.utils, "set_z3_leaf_module", None)
+    if set_z3_leaf_module is None:
+        return  # before 0.13: no leaf modules
+    set_z3_leaf_module(block, True)
+    assert fetched(block).keys() == {id(p) for p in iter_params(block, recurse=True)}
+    assert len(fetched(block)) == 8  # own, outside, 2 + 2 (shared, once), 2 + 2 (the norm's)
