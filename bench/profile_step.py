@@ -59,7 +59,7 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
     z3guard.uninstall()
     if variant in GUARD_OPTIONS:
         z3guard.install(z3guard.GuardOptions(warn=False, **GUARD_OPTIONS[variant]))
-    size = models.Size.of(device.type)
+    size = models.Size.of(device.type, model)
     cfg = config(variant, offload, size.batch, world, device.type)
     engine, size, sync = make_engine(model, cfg, device.type)
     phases: dict[str, list[float]] = {}
@@ -81,7 +81,7 @@ def profile(variant: str, offload: str, model: str, steps: int, device: torch.de
         switch = _grad_offload_switch(engine.optimizer) if alternate else None
         halves: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
         for i, step in enumerate(range(first, first + steps)):
-            on = i % 2 == 0
+            on = i % 2 == 0 or switch is None  # without --alternate every step counts in one column
             if switch:
                 switch(on)
             one(step)

@@ -75,3 +75,21 @@ def test_baselines_name_their_precision_and_threads(tmp_path):
     assert (by["stock"]["threads"], by["stock"]["omp_threads"]) == (int(launched), launched)  # given back
     assert by["fsdp2"]["fsdp2_offload"].startswith("parameters, gradients and optimizer step")
     assert by["fsdp2"]["fsdp2_units"] == 5 and by["fsdp2"]["invalidations"] is None  # 4 blocks and the root
+
+
+def test_step_parts_count_every_timed_step(tmp_path):
+    """bench/profile_step.py --timers-only: each phase's milliseconds per step over all the timed steps
+    (with --alternate the steps split in two columns; without it, none are left out or halved)."""
+    import statistics
+
+    out = tmp_path / "parts.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           str(BENCH.parent / "profile_step.py"), "--offload", "none", "--device", "cpu",
+                           "--timers-only", "--warmup", "1", "--steps", "4", "--variants", "z3guard",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    (record,) = json.loads(out.read_text())
+    for phase in ("forward", "backward", "step", "optimizer.step"):
+        samples = record["phases_s"][phase]
+        assert len(samples) == 4
+        assert abs(record["phases_ms"][phase] - 1e3 * statistics.median(samples)) < 1e-9
