@@ -5,7 +5,7 @@
 1. bit-identity of the fast paths over 52 steps with 5 skipped steps, stock vs z3guard: no offload,
    offload_param only, and offload_param + offload_optimizer with DeepSpeedCPUAdam; with reads right
    after `step` (GatheredParameters, an eval forward, a checkpoint) and every gradient read and set
-   through DeepSpeed's accessors; `--scenario tied` runs an LM of repeated blocks (fetched whole);
+   through DeepSpeed's accessors; `--scenario tied` runs an LM of repeated blocks whose head reads the embedding's weight;
 2. memory over 1,000 steps of the routed model (a new module order every step), z3guard.
 Prints a table and writes <out>/steady_state.json.
 """
@@ -41,7 +41,8 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
                  control: bool = False, scenario: str = "clip", nproc: int = 2) -> list[dict]:
     """`options`: GuardOptions fields of the z3guard run; `only`: the pairs whose name contains it;
     `control`: stock against stock (is the stock run itself repeatable here?); `scenario`: the model
-    ("tied": an LM of repeated blocks, which z3guard fetches whole)."""
+    ("tied": an LM of repeated blocks and a tied head; its blocks are larger than its largest module, so
+    today's whole-block fetch leaves them per module)."""
     rows = []
     for i, (name, config) in enumerate(PAIRS.items()):
         if only not in name:
