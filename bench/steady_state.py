@@ -5,7 +5,8 @@
 1. bit-identity of the fast paths over 52 steps with 5 skipped steps, stock vs z3guard: no offload,
    offload_param only, and offload_param + offload_optimizer with DeepSpeedCPUAdam; with reads right
    after `step` (GatheredParameters, an eval forward, a checkpoint) and every gradient read and set
-   through DeepSpeed's accessors; `--scenario tied` runs an LM of repeated blocks whose head reads the embedding's weight;
+   through DeepSpeed's accessors; `--scenario tied` runs an LM of repeated blocks whose head reads the
+   embedding's weight;
 2. memory over 1,000 steps of the routed model (a new module order every step), z3guard.
 Prints a table and writes <out>/steady_state.json.
 """

@@ -27,7 +27,7 @@ import inspect
 import os
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -52,16 +52,19 @@ def apply() -> None:
         raise
 
 
-def presign_module_hooks(root: Any) -> int:
-    """`presign` the autograd Functions ZeRO-3 made for each module under `root` (one class per module and
-    hook, made when the engine registered its hooks); returns how many."""
-    done = 0
+def module_hook_functions(root: Any) -> Iterator[type]:
+    """The autograd Functions ZeRO-3 made for the modules under `root`: one class per module and backward
+    hook, made when the engine registered its hooks."""
     for module in root.modules():
         for name in ("pre_bwd_fn", "post_bwd_fn"):
             function = vars(module).get(name)
             if isinstance(function, type) and issubclass(function, torch.autograd.Function):
-                done += presign(function)
-    return done
+                yield function
+
+
+def presign_module_hooks(root: Any) -> int:
+    """`presign` the Functions of `module_hook_functions(root)`; returns how many it set."""
+    return sum(presign(function) for function in module_hook_functions(root))
 
 
 def presign(function: type) -> bool:

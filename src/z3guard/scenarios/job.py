@@ -266,6 +266,8 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
     if job.guard:
         import z3guard
 
+        from ..adapter import leanhooks
+
         g = z3guard.guard(engine)
         result["divergences"] = [d.to_dict() for d in g.divergences]
         result["reads"] = [vars(r) for r in g.diagnostics.reads]
@@ -276,8 +278,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["grads_written"] = dict(getattr(engine.optimizer, "z3guard_lazy_written", {}))  # hostgrads' notes
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
         result["presigned_hooks"] = sum(  # ZeRO-3's per-module backward Functions whose signature is set
-            "__signature__" in vars(f.forward) for m in engine.module.modules()
-            for f in (vars(m).get("pre_bwd_fn"), vars(m).get("post_bwd_fn")) if f is not None)
+            "__signature__" in vars(f.forward) for f in leanhooks.module_hook_functions(engine.module))
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
                            "resyncs": g.trace.cache.resyncs, "cached": len(g.trace.cache)}
         result["read_pattern"] = [{"module": m, "param": p, **v} for (m, p), v in g.trace.read_pattern().items()]
