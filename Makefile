@@ -38,7 +38,7 @@ demo: $(STAMP)
 test: demo test-main test-wheel test-releases  # the demo first: the README's first command
 
 test-main: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-wheel: $(STAMP)
 	rm -rf dist $(WHEEL)

@@ -140,14 +140,19 @@ def test_grad_bucket_covers_the_plain_paths_and_leaves_nsys_its_range(monkeypatc
 
 
 def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
-    """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths."""
+    """Real ZeRO-3, offload of parameters and optimizer, fp16: stock vs z3guard with its fast paths; and
+    without offload, two micro-steps per step."""
     skips = [3, 10, 25, 26]  # one right after another too
     common = dict(steps=30, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
            "fast_fused_step": False, "fast_grad_offload": False, "fast_hook_calls": False}
+    on_device = dict(steps=8, skip_at=[3], grad_accum=2, config={"zero_optimization": {
+        "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}})
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
-                   Job("plain", guard=True, options=off, **common)], runs / "fastpaths")
+                   Job("plain", guard=True, options=off, **common), Job("stock-on-device", **on_device),
+                   Job("fast-on-device", guard=True, **on_device)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
+    assert done.result("fast-on-device")["foreach_copies"] > 0 and fast["foreach_copies"] == 0  # grad_bucket's
     assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks",
             "grad_bucket"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []
@@ -167,6 +172,8 @@ def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     for name in ("fast", "plain"):  # losses, weights, both ranks' optimizer states
         diff = compare.first_job_difference(done, "stock", name)
         assert diff is None, f"{name}: {diff}"
+    diff = compare.first_job_difference(done, "stock-on-device", "fast-on-device")  # without offload
+    assert diff is None, str(diff)
 
 
 def _stage3_like(norms: dict, noted: dict, sizes=(4, 6)):

@@ -53,8 +53,9 @@ class GuardOptions:
     made cheap: the current CUDA stream, NVTX ranges that no profiler receives (left on where one is
     injected, as under nsys), a debug print's rank query, and the signature torch binds each call of
     DeepSpeed's autograd Functions to (adapter/leanhooks.py). Each gradient's copy into the reduce bucket,
-    one per parameter per step, looks the stream up once (adapter/gradbucket.py). The same kernels and
-    collectives with the same contents; off only to compare with stock."""
+    one per parameter per step, looks the stream up once, and without optimizer offload the copies out of
+    the bucket into the gradient partitions go to torch in one call (adapter/gradbucket.py). The same
+    copies and collectives with the same contents; off only to compare with stock."""
 
     fast_block_fetch: bool = True
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of

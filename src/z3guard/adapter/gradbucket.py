@@ -1,4 +1,4 @@
-"""Each gradient into ZeRO-3's reduce bucket with one stream lookup, not three.
+"""Each gradient into ZeRO-3's reduce bucket with one stream lookup, not three; out of it in one copy call.
 
 Stage 3 hooks every parameter that needs a gradient. When the gradient arrives, the hook copies it into the
 flat bucket that the reduce-scatter reads later, on DeepSpeed's reduce stream: one copy kernel. Around that
@@ -16,7 +16,15 @@ same kernels on the same streams in the same order: the same bytes. On the CPU a
 only the copy and the bookkeeping remain, as in stock. Nothing in it depends on offload (the bucket is on
 the device either way), and it was compared with stock on GPUs without offload, with `offload_param` and
 with both offloads. It stays off for ZenFlow, on other accelerators, and while a profiler's NVTX tool is
-injected (so `nsys` keeps this range).
+injected (so `nsys` keeps this range). The reduce stream waits on an event kept for the purpose, recorded
+on the current stream, where `wait_stream` makes a new event each time: the same wait.
+
+At the bucket's reduce, `partition_grads` copies each parameter's reduced partition into its region of the
+flat gradient buffer: one `copy_` per parameter, each a call from Python. Without optimizer offload, at a
+micro-step that starts accumulation (no `add_`), the same copies go to torch in one `_foreach_copy_` on the
+same stream, after the loop that frees the gradients (the sources are the reduced partitions, which the
+list keeps alive). A copy is exact, so the regions hold the same bytes. Accumulating micro-steps and
+optimizer offload keep stock's method.
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ import torch
 
 from .leanhooks import NVTX_TOOL
 
-PATCHED = ("_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket",)  # the name-mangled method
+PATCHED = ("_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket", "partition_grads")  # the first name-mangled
+_REGIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 def _accelerator_kind() -> str | None:
@@ -63,6 +72,10 @@ def why_off(opt: Any) -> str | None:
 def apply(opt: Any) -> None:
     lean = _add_on_cuda if _accelerator_kind() == "cuda" else _add_synchronized
     setattr(opt, PATCHED[0], types.MethodType(lean, opt))
+    if not getattr(opt, "offload_optimizer", False) and hasattr(torch, "_foreach_copy_"):
+        opt.z3guard_stock_partition_grads_on_device = opt.partition_grads
+        opt.z3guard_foreach_copies = 0  # bucket reduces whose copies went in one call (tests read it)
+        opt.partition_grads = types.MethodType(_partition_grads, opt)
 
 
 def _add_on_cuda(self: Any, param: Any) -> None:
@@ -71,7 +84,11 @@ def _add_on_cuda(self: Any, param: Any) -> None:
     if reduce.device_index != current.device_index:  # a stream context also switches devices: stock's code
         return getattr(type(self), PATCHED[0])(self, param)
     with torch.no_grad():
-        reduce.wait_stream(current)
+        ready = self.__dict__.get("z3guard_grad_ready")
+        if ready is None:
+            ready = self.z3guard_grad_ready = torch.cuda.Event()
+        ready.record(current)
+        reduce.wait_event(ready)
         bucket = self.ipg_buckets[self.get_param_comm_dtype(param)]
         grad = param.grad
         if self.contiguous_gradients and bucket.elements + grad.numel() <= self.reduce_bucket_size:
@@ -105,3 +122,30 @@ def _note(self: Any, bucket: Any, param: Any) -> None:
     bucket.params.append(param)
     bucket.process_group = self._get_param_partition_group(param)
     bucket.elements += param.grad.numel()
+
+
+def _partition_grads(self: Any, params_to_release: list, grad_partitions: list) -> list:
+    # DeepSpeed 0.19's `partition_grads` without optimizer offload at micro-step 0, its copies in one call.
+    if self.micro_step_id != 0 or self.offload_optimizer or not params_to_release:
+        return self.z3guard_stock_partition_grads_on_device(params_to_release, grad_partitions)
+    from deepspeed.accelerator import get_accelerator
+
+    self.z3guard_foreach_copies += 1
+    regions = getattr(self, _REGIONS)
+    rank = self._get_param_partition_rank(params_to_release[0])  # one process group per bucket (stock asserts it)
+    stream = None if get_accelerator().is_synchronized_device() else get_accelerator().current_stream()
+    buffers, sources = [], []
+    for param, grad_partition in zip(params_to_release, grad_partitions):
+        if param.partition_numel() * rank >= param.ds_numel:  # an empty partition: nothing to copy
+            param.grad = None
+            continue
+        self._offload_boundary_param_ids.add(param.ds_id)
+        buffers.append(regions[param.ds_id].narrow(0, 0, grad_partition.numel()))
+        sources.append(grad_partition)
+        if stream is not None and param.grad is not None:
+            param.grad.record_stream(stream)
+        param.grad = None
+    if buffers:
+        torch._foreach_copy_(buffers, sources, non_blocking=True)
+    self._swap_out_offload_fp32_gradients({}, {})
+    return buffers

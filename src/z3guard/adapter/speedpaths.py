@@ -69,7 +69,8 @@ PATHS: tuple[SpeedPath, ...] = (
         "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.current_stream",
         "deepspeed.runtime.zero.linear:LinearFunctionForZeroStage3.forward", OFFLOAD + "_register_deepspeed_module")),
     SpeedPath("grad_bucket", "fast_hook_calls", (
-        S3 + "__add_grad_to_ipg_bucket", S3 + "_get_param_partition_group",
+        S3 + "__add_grad_to_ipg_bucket", S3 + "_get_param_partition_group", S3 + "partition_grads",
+        S3 + "__reduce_and_partition_ipg_grads", S3 + "_get_param_partition_rank", S3 + "_swap_out_offload_fp32_gradients",
         *(f"deepspeed.accelerator.{m}_accelerator:{m.upper()}_Accelerator.{f}" for m in ("cuda", "cpu")
           for f in ("is_synchronized_device", "resolves_data_dependency", "stream", "current_stream")))),
 )
@@ -89,7 +90,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "host_threads": {"41e71924906e0aff": ("0.19.8",)},
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
     "lean_hooks": {"f96c6e070221755e": ("0.19.5", "0.19.8")},
-    "grad_bucket": {"cd3f5c57745490f4": ("0.19.5", "0.19.8")},
+    "grad_bucket": {"d723790840ad2dc7": ("0.19.5", "0.19.8")},
 }
 
 
