@@ -122,6 +122,72 @@ def test_lean_hooks_give_zero3_linear_its_signature_once(monkeypatch):
     assert "__signature__" not in vars(forward)
 
 
+def test_lean_hooks_list_a_modules_parameters_as_zero3_does():
+    """ZeRO-3's coordinator lists a module's parameters at every fetch and release (`iter_params`). The
+    lean list holds the same parameters in the same order as stock's, for every module of a Hugging Face
+    GPT-2, recursively or not, with shared submodules, a parameter registered twice, an unset one and an
+    external one; below a module class with its own listing methods stock's function runs."""
+    import itertools
+
+    import transformers
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+    from deepspeed.runtime.zero.partition_parameters import _init_external_params
+    from torch import nn
+
+    from z3guard.adapter import leanhooks
+
+    class Renamed(nn.Linear):  # lists only its weight
+        def named_parameters(self, *args, **kwargs):
+            return iter([("weight", self.weight)])
+
+    shared = nn.Linear(2, 2)
+    block = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.ReLU(), shared), nn.LayerNorm(3), Renamed(3, 3))
+    block.register_parameter("unset", None)
+    block.register_parameter("again", shared.weight)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
+    modules = [*block.modules(), *gpt2.modules()]
+    for m in modules:
+        _init_external_params(m)  # as ZeRO-3 does for every module
+    outside = nn.Parameter(torch.ones(1))
+    block._external_params[id(outside)] = outside  # what register_external_parameter(block, ...) adds
+
+    def stock(m, recurse):
+        return [p for _, p in itertools.chain(m.named_parameters(recurse=recurse), m.ds_external_parameters())]
+
+    assert len(stock(block, False)) == 2 and len(stock(block, True)) == 9  # shared once; all of Renamed's
+    leanhooks.apply()
+    try:
+        lean = ppc.iter_params
+        assert lean is not leanhooks._undo and lean.__module__ == leanhooks.__name__
+        for m, recurse in itertools.product(modules, (False, True)):
+            got, want = list(lean(m, recurse)), stock(m, recurse)
+            assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), (type(m).__name__, recurse)
+        assert leanhooks.module_parameters(block, recurse=True) is None  # Renamed below it: stock's function
+        assert leanhooks.module_parameters(block[0], recurse=True) is not None
+    finally:
+        leanhooks.remove()
+    assert ppc.iter_params.__module__ == ppc.__name__
+
+
+def test_grad_bucket_slices_the_bucket_as_stock_does():
+    """The bucket slice a gradient is copied into: stock's `narrow(...).view_as(grad)`, or `as_strided`
+    with the strides that gave, once a shape has come by: the same storage, offset, shape and strides."""
+    from types import SimpleNamespace
+
+    from z3guard.adapter.gradbucket import _copy_into
+
+    buffer = torch.zeros(1000)
+    bucket = SimpleNamespace(buffer=buffer, elements=0)
+    grads = [torch.randn(s) for s in [(3, 4), (7,), (), (1, 5), (2, 1, 3), (3, 4), (7,), (), (1, 5), (2, 1, 3)]]
+    grads.append(torch.randn(4, 3).t())  # not contiguous: the slice is still contiguous, as view_as makes it
+    for grad in grads:
+        want = buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
+        got = _copy_into(bucket, grad)
+        assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+        assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and torch.equal(got, grad)
+        bucket.elements += grad.numel()
+
+
 def test_grad_bucket_covers_the_plain_paths_and_leaves_nsys_its_range(monkeypatch):
     """The lean bucket copy goes on for the CPU accelerator's stock path (every offload setting, checked
     against stock in this suite) and for CUDA's without offload (checked on GPUs: bench/steady_state.py);

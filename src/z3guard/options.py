@@ -49,11 +49,12 @@ class GuardOptions:
     fast_hook_calls: bool = True
     """Fewer and cheaper ZeRO-3 module hooks. The hooks run about a thousand times per step, and without
     offload the step waits on them. Modules with no parameter below them (activations, dropout) get none
-    (engines built after `install()`; adapter/quietmodules.py), and four lookups inside the others are
+    (engines built after `install()`; adapter/quietmodules.py), and five lookups inside the others are
     made cheap: the current CUDA stream, NVTX ranges that no profiler receives (left on where one is
-    injected, as under nsys), a debug print's rank query, and the signature torch binds each call of
-    DeepSpeed's autograd Functions to (adapter/leanhooks.py). Each gradient's copy into the reduce bucket,
-    one per parameter per step, looks the stream up once, and without optimizer offload the copies out of
+    injected, as under nsys), a debug print's rank query, the signature torch binds each call of
+    DeepSpeed's autograd Functions to, and a module's parameter list (adapter/leanhooks.py). Each
+    gradient's copy into the reduce bucket, one per parameter per step, looks the stream up once and
+    makes its slice in one call, and without optimizer offload the copies out of
     the bucket into the gradient partitions go to torch in one call (adapter/gradbucket.py). The same
     copies and collectives with the same contents; off only to compare with stock."""
 

@@ -67,7 +67,10 @@ PATHS: tuple[SpeedPath, ...] = (
     SpeedPath("lean_hooks", "fast_hook_calls", (
         "deepspeed.runtime.zero.partition_parameters:print_rank_0", "deepspeed.utils.nvtx:instrument_w_nvtx",
         "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.current_stream",
-        "deepspeed.runtime.zero.linear:LinearFunctionForZeroStage3.forward", OFFLOAD + "_register_deepspeed_module")),
+        "deepspeed.runtime.zero.linear:LinearFunctionForZeroStage3.forward", OFFLOAD + "_register_deepspeed_module",
+        "deepspeed.runtime.zero.partitioned_param_coordinator:iter_params",
+        "deepspeed.runtime.zero.partitioned_param_coordinator:get_all_parameters",
+        "deepspeed.runtime.zero.partition_parameters:_init_external_params")),
     SpeedPath("grad_bucket", "fast_hook_calls", (
         S3 + "__add_grad_to_ipg_bucket", S3 + "_get_param_partition_group", S3 + "partition_grads",
         S3 + "__reduce_and_partition_ipg_grads", S3 + "_get_param_partition_rank", S3 + "_swap_out_offload_fp32_gradients",
@@ -89,7 +92,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "persistent_gather": {"e35f20b122fce0ca": ("0.19.8",)},
     "host_threads": {"41e71924906e0aff": ("0.19.8",)},
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
-    "lean_hooks": {"f96c6e070221755e": ("0.19.5", "0.19.8")},
+    "lean_hooks": {"958436f127d155ef": ("0.19.5", "0.19.8")},
     "grad_bucket": {"d723790840ad2dc7": ("0.19.5", "0.19.8")},
 }
 
