@@ -125,8 +125,10 @@ def test_lean_hooks_give_zero3_linear_its_signature_once(monkeypatch):
 def test_lean_hooks_list_a_modules_parameters_as_zero3_does():
     """ZeRO-3's coordinator lists a module's parameters at every fetch and release (`iter_params`). The
     lean list holds the same parameters in the same order as stock's, for every module of a Hugging Face
-    GPT-2, recursively or not, with shared submodules, a parameter registered twice, an unset one and an
-    external one; below a module class with its own listing methods stock's function runs."""
+    GPT-2, recursively or not, with shared submodules, a parameter registered twice, an unset one, an
+    external one and an ordered container reordered; below a module class or instance with its own
+    listing methods stock's function runs."""
+    import collections
     import itertools
 
     import transformers
@@ -141,7 +143,11 @@ def test_lean_hooks_list_a_modules_parameters_as_zero3_does():
             return iter([("weight", self.weight)])
 
     shared = nn.Linear(2, 2)
-    block = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.ReLU(), shared), nn.LayerNorm(3), Renamed(3, 3))
+    moved = nn.Linear(2, 2)  # an ordered container (ZeRO-3's is one) whose order is not the dict's
+    moved._parameters = collections.OrderedDict(moved._parameters)
+    moved._parameters.move_to_end("weight")
+    block = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.ReLU(), shared), nn.LayerNorm(3), moved,
+                          Renamed(3, 3))
     block.register_parameter("unset", None)
     block.register_parameter("again", shared.weight)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
@@ -154,7 +160,8 @@ def test_lean_hooks_list_a_modules_parameters_as_zero3_does():
     def stock(m, recurse):
         return [p for _, p in itertools.chain(m.named_parameters(recurse=recurse), m.ds_external_parameters())]
 
-    assert len(stock(block, False)) == 2 and len(stock(block, True)) == 9  # shared once; all of Renamed's
+    assert len(stock(block, False)) == 2 and len(stock(block, True)) == 11  # shared once; all of Renamed's
+    assert [p.dim() for p in stock(moved, False)] == [1, 2]  # bias, then weight
     leanhooks.apply()
     try:
         lean = ppc.iter_params
@@ -164,6 +171,8 @@ def test_lean_hooks_list_a_modules_parameters_as_zero3_does():
             assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), (type(m).__name__, recurse)
         assert leanhooks.module_parameters(block, recurse=True) is None  # Renamed below it: stock's function
         assert leanhooks.module_parameters(block[0], recurse=True) is not None
+        block[0].named_parameters = block[0].named_parameters  # set on the instance: its own listing
+        assert leanhooks.module_parameters(block[0]) is None
     finally:
         leanhooks.remove()
     assert ppc.iter_params.__module__ == ppc.__name__

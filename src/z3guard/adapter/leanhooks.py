@@ -22,14 +22,17 @@ more than the work they frame:
   about 110 times per step on a 24-layer model, recursively for a block fetched whole. Stock goes through
   `named_parameters`, which builds a name for every module and parameter it passes. Here the same
   parameters in the same order (modules depth-first in registration order, each module and parameter
-  once, then the module's external parameters) are read from the modules' dicts. Under `torch.compile`
-  stock's function runs.
+  once, then the module's external parameters) are read from the modules' dicts. Stock's function runs
+  under `torch.compile`, for modules that list their members their own way, and while a profiler's NVTX
+  tool is injected. (z3guard's own wait for a parameter in flight, on reads of another module's
+  parameters, stays on `named_parameters`: it is for a model's reads, and these are ZeRO-3's.)
 
 None of these touches a tensor, and the order of the calls around them is unchanged. The results are the
 same bits by construction, and the fast-path tests run with this path on. `remove()` restores all five.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import os
@@ -40,6 +43,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 NVTX_TOOL = ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH")
+# torch.compiler.is_compiling arrived in torch 2.3; before it, torch._dynamo's
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 _PARTITIONER = "deepspeed.runtime.zero.partition_parameters"
 _COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
 _undo: list[Callable[[], None]] = []
@@ -132,14 +137,18 @@ def _lean_current_stream() -> None:
 def module_parameters(module: Any, recurse: bool = False) -> list | None:
     """What `named_parameters(recurse=recurse)` yields, without the names: the modules depth-first in the
     order they were registered, each once, and each one's parameters in order, each parameter once. None
-    where a module's class overrides how torch lists them (then only its own code says what it yields)."""
+    where a module lists them its own way (a class or an instance with its own listing methods, a
+    container that is not a dict): then only its own code says what it yields."""
+    modules = _modules_in_order(module) if recurse else ([module] if _plain(module) else None)
+    if modules is None:
+        return None
     found: list = []
     seen: set[int] = set()
-    modules = _modules_in_order(module) if recurse else (module,)
-    if modules is None or not _plain(type(module)):
-        return None
     for m in modules:
-        for p in dict.values(m._parameters):
+        values = _values(m._parameters)
+        if values is None:
+            return None
+        for p in values:
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
@@ -152,29 +161,48 @@ def _modules_in_order(module: Any) -> list | None:
     while todo:
         m = todo.pop()
         if id(m) not in seen:
-            if not _plain(type(m)):
+            children = _values(m._modules) if _plain(m) else None
+            if children is None:
                 return None
             seen.add(id(m))
             found.append(m)
-            todo.extend(c for c in reversed(dict.values(m._modules)) if c is not None)
+            todo.extend(c for c in reversed(children) if c is not None)
     return found
 
 
+def _values(members: Any) -> Any:
+    """A module's `_parameters` or `_modules` values in the order `.items()` gives them, read without the
+    container's own item hooks (a plain read, as `dict.values` is); None for another kind of container."""
+    if type(members) is dict:
+        return dict.values(members)
+    if isinstance(members, collections.OrderedDict) and type(members).values is collections.OrderedDict.values:
+        return collections.OrderedDict.values(members)  # the linked order `items()` follows
+    return None
+
+
+def _plain(module: Any) -> bool:
+    """Whether `module` lists its modules and parameters with torch's own methods, and is told apart from
+    other modules by identity (as `named_modules`' memo does for torch's own `Module`)."""
+    return _plain_class(type(module)) and not ("named_modules" in module.__dict__
+                                               or "named_parameters" in module.__dict__)
+
+
 @functools.cache
-def _plain(cls: type) -> bool:
-    """Whether `cls` lists its modules and parameters with torch's own methods."""
-    return all(getattr(cls, name) is getattr(torch.nn.Module, name)
-               for name in ("named_parameters", "named_modules", "_named_members", "parameters", "modules"))
+def _plain_class(cls: type) -> bool:
+    return all(getattr(cls, name) is getattr(torch.nn.Module, name) for name in (
+        "named_parameters", "named_modules", "_named_members", "parameters", "modules", "__hash__", "__eq__"))
 
 
 def _lean_iter_params() -> None:
     import importlib
 
+    if any(os.environ.get(v) for v in NVTX_TOOL):
+        return  # a profiler listens: stock's listing keeps its NVTX range
     coordinator = importlib.import_module(_COORDINATOR)
     stock = coordinator.iter_params
 
     def iter_params(module: Any, recurse: bool = False) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return stock(module, recurse)
         params = module_parameters(module, recurse)
         if params is None:
