@@ -20,10 +20,9 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 from . import blockfetch, gathered, leanhooks, quietmodules, reshard, speedpaths
 from .base import EngineHook, ReadHook, TraceHooks
 from .coordinator import P, z3_leaf_module
+from .leanhooks import is_compiling as _is_compiling
 from .lifecycle import Lifecycle
 
-# torch.compiler.is_compiling arrived in torch 2.3; before it, torch._dynamo's
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 S3 = "_DeepSpeedZeroOptimizer_Stage3__"  # ... and of stage 3's optimizer
 # The root module of every guarded ZeRO-3 model. DeepSpeed pushes each onto its stack of running modules

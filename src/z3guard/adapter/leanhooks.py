@@ -44,7 +44,7 @@ import torch
 
 NVTX_TOOL = ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH")
 # torch.compiler.is_compiling arrived in torch 2.3; before it, torch._dynamo's
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 _PARTITIONER = "deepspeed.runtime.zero.partition_parameters"
 _COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
 _undo: list[Callable[[], None]] = []
@@ -202,7 +202,7 @@ def _lean_iter_params() -> None:
     stock = coordinator.iter_params
 
     def iter_params(module: Any, recurse: bool = False) -> Any:
-        if _is_compiling():
+        if is_compiling():
             return stock(module, recurse)
         params = module_parameters(module, recurse)
         if params is None:

@@ -73,7 +73,8 @@ PATHS: tuple[SpeedPath, ...] = (
         "deepspeed.runtime.zero.partition_parameters:_init_external_params")),
     SpeedPath("grad_bucket", "fast_hook_calls", (
         S3 + "__add_grad_to_ipg_bucket", S3 + "_get_param_partition_group", S3 + "partition_grads",
-        S3 + "__reduce_and_partition_ipg_grads", S3 + "_get_param_partition_rank", S3 + "_swap_out_offload_fp32_gradients",
+        S3 + "__reduce_and_partition_ipg_grads", S3 + "_get_param_partition_rank",
+        S3 + "_swap_out_offload_fp32_gradients",
         *(f"deepspeed.accelerator.{m}_accelerator:{m.upper()}_Accelerator.{f}" for m in ("cuda", "cpu")
           for f in ("is_synchronized_device", "resolves_data_dependency", "stream", "current_stream")))),
 )
