@@ -32,7 +32,7 @@ GUARD_OPTIONS = {  # z3guard, with all its fast paths, none (the trace logic alo
     "z3guard-bf16": {},
     "z3guard-nofast": {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
                        "fast_fused_step": False, "fast_grad_offload": False, "fast_block_fetch": False,
-                       "fast_hook_calls": False, "host_threads": 0},
+                       "fast_hook_calls": False, "fast_grad_norm": False, "host_threads": 0},
     "z3guard-nolean": {"fast_hook_calls": False},
     "z3guard-nofused": {"fast_fused_step": False},
     "z3guard-nothreads": {"host_threads": 0},

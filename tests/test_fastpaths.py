@@ -220,7 +220,7 @@ def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
     skips = [3, 10, 25, 26]  # one right after another too
     common = dict(steps=30, skip_at=skips)
     off = {"fast_writeback": False, "fast_overflow_check": False, "fast_persistent_gather": False,
-           "fast_fused_step": False, "fast_grad_offload": False, "fast_hook_calls": False}
+           "fast_fused_step": False, "fast_grad_offload": False, "fast_hook_calls": False, "fast_grad_norm": False}
     on_device = dict(steps=8, skip_at=[3], grad_accum=2, config={"zero_optimization": {
         "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}})
     done = launch([Job("stock", **common), Job("fast", guard=True, **common),
@@ -228,6 +228,7 @@ def test_fast_paths_are_bit_identical_over_30_steps_with_skips(runs):
                    Job("fast-on-device", guard=True, **on_device)], runs / "fastpaths")
     stock, fast, plain = (done.result(n) for n in ("stock", "fast", "plain"))
     assert done.result("fast-on-device")["foreach_copies"] > 0 and fast["foreach_copies"] == 0  # grad_bucket's
+    assert "grad_norm" in done.result("fast-on-device")["fast_paths"] and "grad_norm" not in fast["fast_paths"]
     assert {"overflow_check", "persistent_gather", "grad_offload", "lean_hooks",
             "grad_bucket"} <= set(fast["fast_paths"])
     assert plain["fast_paths"] == []

@@ -62,10 +62,11 @@ def test_every_speed_path_is_bit_identical_to_stock(ranks):
 
 def test_gradients_copied_into_their_partitions_in_one_call_are_stocks(ranks):
     """Without offload: grad_bucket's copies into the gradient partitions (uneven at 3 ranks, where the
-    last rank's partition of a small parameter is empty), against stock's copies one by one."""
+    last rank's partition of a small parameter is empty), grad_norm's norms and the persistent parameters'
+    refresh in one copy, against stock's one by one."""
     nproc, done = ranks
     fast = done.result("fast-on-device")
-    assert "grad_bucket" in fast["fast_paths"] and fast["foreach_copies"] > 0
+    assert {"grad_bucket", "grad_norm"} <= set(fast["fast_paths"]) and fast["foreach_copies"] > 0
     assert done.result("fast")["foreach_copies"] == 0  # optimizer offload: stock's method
     assert done.result("stock-on-device")["skipped"] == fast["skipped"] == [3]
     diff = compare.first_job_difference(done, "stock-on-device", "fast-on-device", nproc=nproc)

@@ -58,6 +58,12 @@ class GuardOptions:
     the bucket into the gradient partitions go to torch in one call (adapter/gradbucket.py). The same
     copies and collectives with the same contents; off only to compare with stock."""
 
+    fast_grad_norm: bool = True
+    """Without `offload_optimizer`, on CUDA: the optimizer step's per-gradient fp64 norms (a cast and a
+    reduction for each parameter, which the GPU otherwise waits on the host to launch) of the gradients
+    under 1M elements are recorded once into a CUDA graph and replayed each step. The same kernels on the
+    same inputs; off only to compare with stock. See adapter/gradnorm.py."""
+
     fast_block_fetch: bool = True
     """Fetch each repeated block (a transformer's layers) whole, as one ZeRO-3 leaf module, instead of
     module by module through hooks that cost more than the copies at transformer sizes (both offloads on

@@ -13,6 +13,8 @@ their own.
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
 - gradients into the reduce bucket: the same copy with one stream lookup, not three (gradbucket.py).
+- the gradient norm without optimizer offload: the small gradients' norms replayed from a CUDA graph
+  (gradnorm.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
   `offload_optimizer` the whole optimizer step then runs on one core per rank. The step runs with
   cores/ranks OpenMP threads instead. Bit-identical only because of what runs there: DeepSpeedCPUAdam
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, gradbucket, gradoffload, hostgrads, overflow, persistent, speedpaths
+from . import fusedstep, gradbucket, gradnorm, gradoffload, hostgrads, overflow, persistent, speedpaths
 from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
@@ -56,7 +58,7 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
           persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False,
-          grads_on_host: bool = True, grad_bucket: bool = False) -> list[str]:
+          grads_on_host: bool = True, grad_bucket: bool = False, grad_norm: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names. None where
     something else already replaced one of the methods they replace on this instance (ZenFlow's
     overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
@@ -68,7 +70,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         return []
     try:
         return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload,
-                      grads_on_host, grad_bucket)
+                      grads_on_host, grad_bucket, grad_norm)
     except BaseException:  # none or all: what was set before the failure goes again
         opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]
         remove(engine)
@@ -76,7 +78,8 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 
 def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None, persistent_gather: bool,
-           fused_step: bool, grad_offload: bool, grads_on_host: bool, grad_bucket: bool) -> list[str]:
+           fused_step: bool, grad_offload: bool, grads_on_host: bool, grad_bucket: bool,
+           grad_norm: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     if grad_bucket and plain:
@@ -86,6 +89,13 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
             applied.append("grad_bucket")
         else:
             speedpaths.say_off("grad_bucket", reason)
+    if grad_norm and plain:
+        reason = gradnorm.why_off(opt)
+        if reason is None:
+            gradnorm.apply(opt)
+            applied.append("grad_norm")
+        else:
+            speedpaths.say_off("grad_norm", reason)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")
@@ -117,7 +127,7 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
     return applied
 
 
-PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step", *gradbucket.PATCHED,
+PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step", *gradbucket.PATCHED, *gradnorm.PATCHED,
            *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *gradoffload.PATCHED, *hostgrads.PATCHED)
 
 

@@ -60,13 +60,23 @@ def coalesced_gather_(params: list, device: torch.device) -> None:
     gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
     dist.all_gather_into_tensor(gathered, local, group=group)
     by_rank, offset = gathered.view(world, -1), 0
+    refreshed, sources = [], []  # gathered ones whose rank-major parts tile them: copied in one call below
     for p, n in zip(params, sizes):
         if p.ds_status == ZeroParamStatus.AVAILABLE and p.data.shape == p.ds_shape:
-            p.data.view(-1).copy_(by_rank[:, offset:offset + n].reshape(-1)[:p.ds_numel])
+            if p.ds_numel == world * n and p.data.is_contiguous():
+                refreshed.append(p.data.view(world, n))
+                sources.append(by_rank[:, offset:offset + n])
+            else:
+                p.data.view(-1).copy_(by_rank[:, offset:offset + n].reshape(-1)[:p.ds_numel])
         else:
             p.data = by_rank[:, offset:offset + n].reshape(-1).narrow(0, 0, p.ds_numel).view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
         offset += n
+    if refreshed and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(refreshed, sources)
+    else:  # torch before 2.1
+        for dst, src in zip(refreshed, sources):
+            dst.copy_(src)
 
 
 def after_step(opt: Any) -> None:
