@@ -82,20 +82,13 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
            grad_norm: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
-    if grad_bucket and plain:
-        reason = gradbucket.why_off(opt)
-        if reason is None:
-            gradbucket.apply(opt)
-            applied.append("grad_bucket")
-        else:
-            speedpaths.say_off("grad_bucket", reason)
-    if grad_norm and plain:
-        reason = gradnorm.why_off(opt)
-        if reason is None:
-            gradnorm.apply(opt)
-            applied.append("grad_norm")
-        else:
-            speedpaths.say_off("grad_norm", reason)
+    for name, wanted, path in (("grad_bucket", grad_bucket, gradbucket), ("grad_norm", grad_norm, gradnorm)):
+        reason = path.why_off(opt) if wanted and plain else None
+        if wanted and plain and reason is None:
+            path.apply(opt)
+            applied.append(name)
+        elif reason is not None:
+            speedpaths.say_off(name, reason)
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")

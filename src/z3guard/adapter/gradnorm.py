@@ -62,6 +62,7 @@ def _grad_norm_direct(self, gradients, params, norm_type=2):
     # DeepSpeed 0.19's `get_grad_norm_direct` for an L2 norm without model or expert parallelism.
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
+
     device = get_accelerator().device_name()
     if (float(norm_type) != 2.0 or not gradients or self._autoep_expert_parallel_group(params) is not None
             or any(g.device.type != gradients[0].device.type for g in gradients)
