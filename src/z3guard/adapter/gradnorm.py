@@ -124,8 +124,10 @@ def _record(gradients: list[torch.Tensor], norm_dtype: torch.dtype) -> tuple[lis
     small = [i for i, g in enumerate(gradients) if g.numel() < SMALL_NUMEL]
     if len(small) < MIN_SMALL:
         return None
+    stream = torch.cuda.current_stream()
     try:
         return small, _Graph([gradients[i] for i in small], norm_dtype)
     except Exception as exc:  # this path alone goes eager; the norms are stock's either way
+        torch.cuda.set_stream(stream)  # a capture that failed at its end leaves its side stream current
         speedpaths.say_off("grad_norm", f"here: its CUDA graph could not be recorded ({exc})", logging.WARNING)
         return None

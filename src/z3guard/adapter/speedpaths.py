@@ -79,7 +79,8 @@ PATHS: tuple[SpeedPath, ...] = (
           for f in ("is_synchronized_device", "resolves_data_dependency", "stream", "current_stream")))),
     SpeedPath("grad_norm", "fast_grad_norm", (
         S3 + "get_grad_norm_direct", S3 + "_get_norm_groups", S3 + "_assert_same_partition_group",
-        S3 + "_get_param_partition_group", S3 + "_autoep_expert_parallel_group", S3 + "__init__")),
+        S3 + "_get_param_partition_group", S3 + "_autoep_expert_parallel_group", S3 + "_model_parallel_all_reduce",
+        S3 + "__init__")),
 )
 BY_NAME = {p.name: p for p in PATHS}
 
@@ -98,7 +99,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
     "lean_hooks": {"958436f127d155ef": ("0.19.5", "0.19.8")},
     "grad_bucket": {"d723790840ad2dc7": ("0.19.5", "0.19.8")},
-    "grad_norm": {"63cfd63a38d15820": ("0.19.8",), "d9832a5cd816428c": ("0.19.5",)},
+    "grad_norm": {"ba0108bd6ccb943b": ("0.19.8",), "18f840c9317da3fb": ("0.19.5",)},
 }
 
 
