@@ -20,7 +20,6 @@ import torch
 
 from . import speedpaths
 
-log = logging.getLogger("z3guard")
 PATCHED = ("get_grad_norm_direct",)  # set by apply
 SMALL_NUMEL = 1 << 20
 """Gradients below this many elements are normed inside the graph. The graph keeps the fp64 copy of one
@@ -40,7 +39,7 @@ def why_off(opt: Any) -> str | None:
 def apply(opt: Any) -> None:
     opt.z3guard_stock_grad_norm = opt.get_grad_norm_direct
     opt.z3guard_norm_graphs = {}  # (data_ptr, shape, dtype) of a group's gradients -> None (seen once) or
-    # (indices of the small ones, their _Graph)
+    # (indices of the small ones, their _Graph); None itself once the path went eager for good
     opt.get_grad_norm_direct = types.MethodType(_grad_norm_direct, opt)
 
 
@@ -52,7 +51,7 @@ class _Graph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             for i, g in enumerate(small):
-                self.norms[i].copy_(g.to(norm_dtype).norm(2.0))
+                self.norms[i].copy_(_stock_norm(g, norm_dtype))
 
     def replay(self) -> None:
         self.graph.replay()
@@ -88,36 +87,35 @@ def _norm_dtype() -> torch.dtype:
     return get_norm_dtype()
 
 
+def _stock_norm(g: torch.Tensor, norm_dtype: torch.dtype) -> torch.Tensor:
+    """One gradient's norm as stock takes it: a cast, then a reduction."""
+    return g.to(norm_dtype).norm(2.0)
+
+
 def _norms(self, gradients: list[torch.Tensor], norm_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each gradient's norm as stock takes it (`g.to(norm_dtype).norm(2.0)`); on CUDA the small ones by
-    replaying a graph recorded at the second step that brings the same gradient tensors."""
+    """Each gradient's norm as stock takes it; on CUDA the small ones by replaying a graph recorded at the
+    second step that brings the same gradient tensors."""
     graphs = self.z3guard_norm_graphs
-    if not gradients[0].is_cuda or self.__dict__.get("z3guard_norm_eager"):
-        return _eager(gradients, norm_dtype)
+    if not gradients[0].is_cuda or graphs is None:
+        return [_stock_norm(g, norm_dtype) for g in gradients]
     key = tuple((g.data_ptr(), g.shape, g.dtype) for g in gradients)
     if key not in graphs:
-        if len(graphs) >= len(self.fp16_groups):  # gradient tensors that change between steps: stay eager
-            graphs.clear()
-            self.z3guard_norm_eager = True
-        else:
+        if len(graphs) < len(self.fp16_groups):
             graphs[key] = None  # seen once: the next step with them records (this one warmed the kernels)
-        return _eager(gradients, norm_dtype)
+        else:  # gradient tensors that change between steps: eager for good
+            self.z3guard_norm_graphs = None
+        return [_stock_norm(g, norm_dtype) for g in gradients]
     if graphs[key] is None:
         graphs[key] = _record(gradients, norm_dtype)
-        if graphs[key] is None:
-            graphs.clear()
-            self.z3guard_norm_eager = True
-            return _eager(gradients, norm_dtype)
+        if graphs[key] is None:  # no graph here: eager for good
+            self.z3guard_norm_graphs = None
+            return [_stock_norm(g, norm_dtype) for g in gradients]
     small, graph = graphs[key]
     graph.replay()
     norms = [None] * len(gradients)
     for j, i in enumerate(small):
         norms[i] = graph.norms[j]
-    return [g.to(norm_dtype).norm(2.0) if n is None else n for g, n in zip(gradients, norms)]
-
-
-def _eager(gradients: list[torch.Tensor], norm_dtype: torch.dtype) -> list[torch.Tensor]:
-    return [g.to(norm_dtype).norm(2.0) for g in gradients]
+    return [_stock_norm(g, norm_dtype) if n is None else n for g, n in zip(gradients, norms)]
 
 
 def _record(gradients: list[torch.Tensor], norm_dtype: torch.dtype) -> tuple[list[int], _Graph] | None:

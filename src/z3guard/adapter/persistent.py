@@ -74,7 +74,7 @@ def coalesced_gather_(params: list, device: torch.device) -> None:
         offset += n
     if refreshed and hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(refreshed, sources)
-    else:  # torch before 2.1
+    else:  # nothing to refresh, or a torch without `_foreach_copy_`
         for dst, src in zip(refreshed, sources):
             dst.copy_(src)
 

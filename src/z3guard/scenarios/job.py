@@ -279,7 +279,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
         result["foreach_copies"] = getattr(engine.optimizer, "z3guard_foreach_copies", 0)  # grad_bucket's
         result["norm_graphs"] = sum(  # grad_norm's CUDA graphs, recorded and replayed
-            v is not None for v in getattr(engine.optimizer, "z3guard_norm_graphs", {}).values())
+            v is not None for v in (getattr(engine.optimizer, "z3guard_norm_graphs", None) or {}).values())
         result["presigned_hooks"] = sum(  # ZeRO-3's per-module backward Functions whose signature is set
             "__signature__" in vars(f.forward) for f in leanhooks.module_hook_functions(engine.module))
         result["trace"] = {"switches": g.trace.cache.switches, "recordings": g.trace.cache.recordings,
