@@ -32,3 +32,20 @@ def test_gathers_of_many_parameters_are_whole(tmp_path):
         assert stock_wrong == 0, ranks  # waits for each
     # elsewhere the race comes and goes (0.13.5: 0 of 120 in one run, some in another; 0.15.4: 1-3 of 60 per
     # rank): only z3guard's side is asserted
+
+
+PERSISTENT = Path(__file__).parent / "scripts" / "persistent_gather.py"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_persistent_parameters_gathered_by_one_collective_own_their_storage(tmp_path, world):
+    """Real ZeRO-3 partitions on gloo: the values of DeepSpeed's own gather, and storage of each
+    parameter's own, so that the next step keeps them gathered (at one rank a view into the shared buffer
+    was released and gathered again at every step; at two, where padding made a view too)."""
+    done = run_ranks([str(PERSISTENT), str(tmp_path)], tmp_path, nproc=world, timeout=300)
+    assert done.returncode == 0, done.log[-4000:]
+    for r in range(world):
+        res = json.loads((tmp_path / f"persistent.rank{r}.json").read_text())
+        n = res["params"]
+        assert res["fresh"] == {"equal": True, "own_storage": n}, res
+        assert res["refreshed"] == {"equal": True, "in_place": n}, res

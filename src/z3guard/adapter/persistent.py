@@ -49,7 +49,7 @@ def coalescable(params: list) -> bool:
 def coalesced_gather_(params: list, device: torch.device) -> None:
     """Gather parameters of one process group from their partitions with one collective; same bytes,
     same layout (rank 0's partition, rank 1's, ..., cut to its size) as stock's. A parameter that is
-    gathered already is refreshed in place."""
+    gathered already is refreshed in place; one that is not gets storage of its own."""
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -60,17 +60,18 @@ def coalesced_gather_(params: list, device: torch.device) -> None:
     gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
     dist.all_gather_into_tensor(gathered, local, group=group)
     by_rank, offset = gathered.view(world, -1), 0
-    refreshed, sources = [], []  # gathered ones whose rank-major parts tile them: copied in one call below
+    refreshed, sources = [], []  # whose rank-major parts tile them: copied in one call below
     for p, n in zip(params, sizes):
-        if p.ds_status == ZeroParamStatus.AVAILABLE and p.data.shape == p.ds_shape:
-            if p.ds_numel == world * n and p.data.is_contiguous():
-                refreshed.append(p.data.view(world, n))
-                sources.append(by_rank[:, offset:offset + n])
-            else:
-                p.data.view(-1).copy_(by_rank[:, offset:offset + n].reshape(-1)[:p.ds_numel])
-        else:
-            p.data = by_rank[:, offset:offset + n].reshape(-1).narrow(0, 0, p.ds_numel).view(p.ds_shape)
+        if p.ds_status != ZeroParamStatus.AVAILABLE or p.data.shape != p.ds_shape:
+            # storage of its own, not a view into `gathered`: the next step then keeps it gathered
+            # (`_owns_storage`), where a view would be released and gathered again at every step
+            p.data = torch.empty(p.ds_shape, dtype=local.dtype, device=device)
             p.ds_status = ZeroParamStatus.AVAILABLE
+        if p.ds_numel == world * n and p.data.is_contiguous():
+            refreshed.append(p.data.view(world, n))
+            sources.append(by_rank[:, offset:offset + n])
+        else:
+            p.data.view(-1).copy_(by_rank[:, offset:offset + n].reshape(-1)[:p.ds_numel])
         offset += n
     if refreshed and hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(refreshed, sources)
