@@ -61,7 +61,7 @@ def bit_identity(device: str, out: Path, options: dict | None = None, only: str 
         rows.append({"run": name, "steps": len(guarded["losses"]), "skipped": guarded["skipped"],
                      "stock_skipped": stock["skipped"], "fast_paths": guarded.get("fast_paths", []),
                      "overflow_reads": guarded.get("overflow_reads"), "grad_offload": guarded.get("grad_offload"),
-                     "norm_graphs": guarded.get("norm_graphs"),
+                     "norm_graphs": guarded.get("norm_graphs"), "batched_grads": guarded.get("batched_grads"),
                      "first_difference": None if diff is None else str(diff)})
     return rows
 

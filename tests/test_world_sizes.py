@@ -23,7 +23,7 @@ STEPS = {3: 56 if FULL else 30, 4: 56 if FULL else 16}
 SKIPS = (3, 10, 25, 26, 41, 53)
 NO_OFFLOAD = {"zero_optimization": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}}
 SPEED_PATHS = {"block_fetch=3", "writeback", "fused_step", "grad_offload", "grads_cast_on_host", "overflow_check",
-               "persistent_gather", "host_threads=2", "lean_hooks", "grad_bucket"}
+               "persistent_gather", "host_threads=2", "lean_hooks", "grad_bucket", "grad_batch"}
 
 
 @pytest.fixture(scope="module", params=[3, 4])
@@ -66,8 +66,11 @@ def test_gradients_copied_into_their_partitions_in_one_call_are_stocks(ranks):
     refresh in one copy, against stock's one by one."""
     nproc, done = ranks
     fast = done.result("fast-on-device")
-    assert {"grad_bucket", "grad_norm"} <= set(fast["fast_paths"]) and fast["foreach_copies"] > 0
+    assert {"grad_bucket", "grad_batch", "grad_norm"} <= set(fast["fast_paths"]) and fast["foreach_copies"] > 0
     assert done.result("fast")["foreach_copies"] == 0  # optimizer offload: stock's method
+    for name in ("fast", "fast-on-device"):  # grad_batch: copies into the bucket, several per call
+        batched = done.result(name)["batched_grads"]
+        assert batched["copies"] > batched["flushes"] > 0, (name, batched)
     assert done.result("stock-on-device")["skipped"] == fast["skipped"] == [3]
     diff = compare.first_job_difference(done, "stock-on-device", "fast-on-device", nproc=nproc)
     assert diff is None, str(diff)

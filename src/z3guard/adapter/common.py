@@ -319,7 +319,7 @@ class ZeroAdapter:
             options.host_threads if ok("host_threads") else 0, options.fast_persistent_gather and ok("persistent_gather"),
             options.fast_fused_step and ok("fused_step"), options.fast_grad_offload and ok("grad_offload"),
             grads_on_host=ok("grads_cast_on_host"), grad_bucket=options.fast_hook_calls and ok("grad_bucket"),
-            grad_norm=options.fast_grad_norm and ok("grad_norm"))
+            grad_norm=options.fast_grad_norm and ok("grad_norm"), grad_batch=options.fast_hook_calls and ok("grad_batch"))
 
     def remove_fast_paths(self, engine: Any) -> None:
         from . import fastpaths

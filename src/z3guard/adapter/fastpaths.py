@@ -12,7 +12,8 @@ their own.
   read (gradoffload.py); beside the fused step, no fp32 copy at all: cast on the host (hostgrads.py).
 - overflow check: decided from the gradient norms stage 3 already takes (overflow.py).
 - persistent parameters: kept gathered through the step, refreshed by one collective (persistent.py).
-- gradients into the reduce bucket: the same copy with one stream lookup, not three (gradbucket.py).
+- gradients into the reduce bucket: the same copy with one stream lookup, not three (gradbucket.py), and
+  a block's copies in one call (gradbatch.py).
 - the gradient norm without optimizer offload: the small gradients' norms replayed from a CUDA graph
   (gradnorm.py).
 - host threads: torchrun starts every rank with OMP_NUM_THREADS=1 unless told otherwise, and with
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import fusedstep, gradbucket, gradnorm, gradoffload, hostgrads, overflow, persistent, speedpaths
+from . import fusedstep, gradbatch, gradbucket, gradnorm, gradoffload, hostgrads, overflow, persistent, speedpaths
 from .hostthreads import host_threads
 
 log = logging.getLogger("z3guard")
@@ -58,7 +59,8 @@ def chunked_cast_copy_(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int = 
 
 def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | None = 0,
           persistent_gather: bool = False, fused_step: bool = False, grad_offload: bool = False,
-          grads_on_host: bool = True, grad_bucket: bool = False, grad_norm: bool = False) -> list[str]:
+          grads_on_host: bool = True, grad_bucket: bool = False, grad_norm: bool = False,
+          grad_batch: bool = False) -> list[str]:
     """Install the enabled fast paths on `engine`'s stage-3 optimizer; returns their names. None where
     something else already replaced one of the methods they replace on this instance (ZenFlow's
     overlapped step sets its own `step` and `partition_grads`): they follow stock's code, not that."""
@@ -70,7 +72,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
         return []
     try:
         return _apply(opt, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload,
-                      grads_on_host, grad_bucket, grad_norm)
+                      grads_on_host, grad_bucket, grad_norm, grad_batch)
     except BaseException:  # none or all: what was set before the failure goes again
         opt.z3guard_set_methods = [name for name in PATCHED if name in vars(opt)]
         remove(engine)
@@ -79,7 +81,7 @@ def apply(engine: Any, writeback: bool, overflow_check: bool, threads: int | Non
 
 def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None, persistent_gather: bool,
            fused_step: bool, grad_offload: bool, grads_on_host: bool, grad_bucket: bool,
-           grad_norm: bool) -> list[str]:
+           grad_norm: bool, grad_batch: bool) -> list[str]:
     applied = []
     plain = _is_plain_stage3(opt)  # whose step's order of calls was checked (not SuperOffload's, ...)
     for name, wanted, path in (("grad_bucket", grad_bucket, gradbucket), ("grad_norm", grad_norm, gradnorm)):
@@ -89,6 +91,9 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
             applied.append(name)
         elif reason is not None:
             speedpaths.say_off(name, reason)
+    if grad_batch and "grad_bucket" in applied and hasattr(torch, "_foreach_copy_"):  # its add methods defer
+        gradbatch.apply(opt)
+        applied.insert(applied.index("grad_bucket") + 1, "grad_batch")
     if writeback and hasattr(opt, "fp16_partitioned_groups_flat"):
         opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(_reassign_or_swap_out, opt)
         applied.append("writeback")
@@ -120,7 +125,8 @@ def _apply(opt: Any, writeback: bool, overflow_check: bool, threads: int | None,
     return applied
 
 
-PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step", *gradbucket.PATCHED, *gradnorm.PATCHED,
+PATCHED = ("_reassign_or_swap_out_partitioned_parameters", "step", *gradbucket.PATCHED, *gradbatch.PATCHED,
+           *gradnorm.PATCHED,
            *overflow.PATCHED, *persistent.PATCHED, *fusedstep.PATCHED, *gradoffload.PATCHED, *hostgrads.PATCHED)
 
 
@@ -129,6 +135,7 @@ def remove(engine: Any) -> None:
     note; what anything else set there stays."""
     opt = engine.optimizer
     hostgrads.materialise(opt)  # stock's code reads the fp32 gradients in memory
+    gradbatch.flush_if_active(opt)  # no copy into the bucket left waiting
     ours = set(vars(opt).get("z3guard_set_methods", ()))
     for name in [n for n in vars(opt) if n in ours or n.startswith("z3guard_")]:
         del opt.__dict__[name]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from . import gradbatch
 from .leanhooks import NVTX_TOOL
 
 PATCHED = ("_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket", "partition_grads")  # the first name-mangled
@@ -85,14 +86,21 @@ def _add_on_cuda(self: Any, param: Any) -> None:
     if reduce.device_index != current.device_index:  # a stream context also switches devices: stock's code
         return getattr(type(self), PATCHED[0])(self, param)
     with _no_grad():
+        bucket = self.ipg_buckets[self.get_param_comm_dtype(param)]
+        grad = param.grad
+        fits = self.contiguous_gradients and bucket.elements + grad.numel() <= self.reduce_bucket_size
+        if fits and _batched(self, bucket, grad):
+            gradbatch.defer(self, param, grad, _slot(bucket, grad), bucket.buffer, current)
+            _note(self, bucket, param)
+            return
+        if gradbatch.active(self):
+            gradbatch.flush(self)  # the copies before this one first, as stock orders them
         ready = self.__dict__.get("z3guard_grad_ready")
         if ready is None:
             ready = self.z3guard_grad_ready = torch.cuda.Event()
         ready.record(current)
         reduce.wait_event(ready)
-        bucket = self.ipg_buckets[self.get_param_comm_dtype(param)]
-        grad = param.grad
-        if self.contiguous_gradients and bucket.elements + grad.numel() <= self.reduce_bucket_size:
+        if fits:
             torch.cuda.set_stream(reduce)
             try:
                 slot = _copy_into(bucket, grad)
@@ -108,8 +116,19 @@ def _add_synchronized(self: Any, param: Any) -> None:
         bucket = self.ipg_buckets[self.get_param_comm_dtype(param)]
         grad = param.grad
         if self.contiguous_gradients and bucket.elements + grad.numel() <= self.reduce_bucket_size:
-            grad.data = _copy_into(bucket, grad)
+            if _batched(self, bucket, grad):
+                gradbatch.defer(self, param, grad, _slot(bucket, grad), bucket.buffer)
+            else:
+                if gradbatch.active(self):
+                    gradbatch.flush(self)
+                grad.data = _copy_into(bucket, grad)
         _note(self, bucket, param)
+
+
+def _batched(self: Any, bucket: Any, grad: torch.Tensor) -> bool:
+    """Whether this gradient's copy may wait for the batch (gradbatch.py): the bucket's dtype and device."""
+    return (gradbatch.active(self) and grad.dtype == bucket.buffer.dtype and grad.device == bucket.buffer.device
+            and grad.layout == torch.strided)
 
 
 def _no_grad() -> Any:
@@ -127,16 +146,20 @@ def _copy_into(bucket: Any, grad: torch.Tensor) -> torch.Tensor:
     Stock's slice is `buffer.narrow(0, elements, numel).view_as(grad)`: the contiguous view of the
     gradient's shape at that offset. `as_strided` makes the same view in one call instead of two, with
     the strides `view_as` gave the first time a shape came by."""
+    slot = _slot(bucket, grad)
+    slot.copy_(grad, non_blocking=True)
+    return slot
+
+
+def _slot(bucket: Any, grad: torch.Tensor) -> torch.Tensor:
     shape, buffer = tuple(grad.shape), bucket.buffer
     strides = _STRIDES.get(shape)
     if strides is None or not buffer.is_contiguous():
         slot = buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
         if buffer.is_contiguous():
             _STRIDES[shape] = slot.stride()
-    else:
-        slot = buffer.as_strided(shape, strides, buffer.storage_offset() + bucket.elements)
-    slot.copy_(grad, non_blocking=True)
-    return slot
+        return slot
+    return buffer.as_strided(shape, strides, buffer.storage_offset() + bucket.elements)
 
 
 def _note(self: Any, bucket: Any, param: Any) -> None:

@@ -77,6 +77,11 @@ PATHS: tuple[SpeedPath, ...] = (
         S3 + "_swap_out_offload_fp32_gradients",
         *(f"deepspeed.accelerator.{m}_accelerator:{m.upper()}_Accelerator.{f}" for m in ("cuda", "cpu")
           for f in ("is_synchronized_device", "resolves_data_dependency", "stream", "current_stream")))),
+    SpeedPath("grad_batch", "fast_hook_calls", (  # beside grad_bucket: every reader of the bucket and of its adds
+        S3 + "__add_grad_to_ipg_bucket", S3 + "__reduce_and_partition_ipg_grads", S3 + "_pre_step",
+        S3 + "reduce_independent_p_g_buckets_and_remove_grads", S3 + "independent_gradient_partition_epilogue",
+        S3 + "__avg_scatter_contiguous_grads", S3 + "__avg_scatter_grads", S3 + "offload_states",
+        S3 + "reload_states", "deepspeed.runtime.zero.stage3:IPGBucketZ3.clear_params")),
     SpeedPath("grad_norm", "fast_grad_norm", (
         S3 + "get_grad_norm_direct", S3 + "_get_norm_groups", S3 + "_assert_same_partition_group",
         S3 + "_get_param_partition_group", S3 + "_autoep_expert_parallel_group", S3 + "_model_parallel_all_reduce",
@@ -99,6 +104,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
     "lean_hooks": {"958436f127d155ef": ("0.19.5", "0.19.8")},
     "grad_bucket": {"d723790840ad2dc7": ("0.19.5", "0.19.8")},
+    "grad_batch": {"c3d31f976066b4e6": ("0.19.8",)},
     "grad_norm": {"ba0108bd6ccb943b": ("0.19.8",), "18f840c9317da3fb": ("0.19.5",)},
 }
 

@@ -278,6 +278,7 @@ def run(job: Job, rank: int, world: int, on_step: Callable[[str, int], None] = l
         result["grads_written"] = dict(getattr(engine.optimizer, "z3guard_lazy_written", {}))  # hostgrads' notes
         result["persistent_kept"] = getattr(engine.optimizer, "z3guard_kept_gathered", None)  # in the last step
         result["foreach_copies"] = getattr(engine.optimizer, "z3guard_foreach_copies", 0)  # grad_bucket's
+        result["batched_grads"] = getattr(engine.optimizer, "z3guard_batched", None)  # grad_batch's
         result["norm_graphs"] = sum(  # grad_norm's CUDA graphs, recorded and replayed
             v is not None for v in (getattr(engine.optimizer, "z3guard_norm_graphs", None) or {}).values())
         result["presigned_hooks"] = sum(  # ZeRO-3's per-module backward Functions whose signature is set
