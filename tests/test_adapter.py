@@ -129,10 +129,10 @@ def test_a_speed_path_whose_stock_code_differs_stays_off_alone(monkeypatch, capl
     passed = {}
 
     def apply(engine, writeback, overflow_check, threads, persistent_gather, fused_step, grad_offload,
-              grads_on_host, grad_bucket, grad_norm):
+              grads_on_host, grad_bucket, grad_norm, grad_batch):
         passed.update(writeback=writeback, overflow_check=overflow_check, persistent_gather=persistent_gather,
                       fused_step=fused_step, grad_offload=grad_offload, grads_on_host=grads_on_host,
-                      grad_bucket=grad_bucket, grad_norm=grad_norm)
+                      grad_bucket=grad_bucket, grad_norm=grad_norm, grad_batch=grad_batch)
         return []
 
     from z3guard.adapter import fastpaths
@@ -143,7 +143,8 @@ def test_a_speed_path_whose_stock_code_differs_stays_off_alone(monkeypatch, capl
         for _ in range(2):
             adapter.load().apply_fast_paths(engine, z3guard.GuardOptions())
     assert passed == dict(writeback=False, overflow_check=True, persistent_gather=True, fused_step=True,
-                          grad_offload=True, grads_on_host=True, grad_bucket=True, grad_norm=True)
+                          grad_offload=True, grads_on_host=True, grad_bucket=True, grad_norm=True,
+                          grad_batch=speedpaths.why_off("grad_batch") is None)  # verified on fewer releases
     said = [r.getMessage() for r in caplog.records if "speed path" in r.getMessage()]
     assert len(said) == 1 and "speed path writeback off" in said[0] and "differs" in said[0]
 

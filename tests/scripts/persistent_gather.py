@@ -5,6 +5,7 @@ Writes <out>/persistent.rank<r>.json. Run on every rank of a gloo group."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def main(out: Path) -> None:
     (out / f"persistent.rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears the group down while another still gathers
     dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: gloo/shm threads can abort there after a clean run
 
 
 if __name__ == "__main__":
