@@ -6,7 +6,7 @@ Stock stage 3 runs, per sub-group, three passes over the whole fp32 partition on
 hundreds of MB through memory (GPT-2 medium: 177M elements per rank). Here the three run on one
 cache-sized chunk after another, so the unscale's output and Adam's updated parameters are read back from
 cache. What remains is bound by the host's memory bandwidth, which the ranks share (docs/benchmarks.md,
-b24-b26).
+"Optimizer step" and "What did not help").
 
 Bit-identical: the unscale and the cast are elementwise; Adam is elementwise too, and its AVX kernel
 rounds each call's range down to a block of SIMD_WIDTH x 8 elements, running the tail through narrower

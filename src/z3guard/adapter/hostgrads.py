@@ -4,7 +4,8 @@
 At a boundary's first micro-step stage 3's backward copies each gradient partition into its host region
 (fp16 on GPT-2 medium) and then, cast to fp32 on the device, a second time into the fp32 gradient the
 optimizer reads: twice the first copy's bytes again over the bus, waited for at the end of the
-backward (on 2 H200s ~9 ms of the backward's ~40 ms gradient offload, docs/benchmarks.md b35-b38).
+backward (on 2 H200s ~9 ms of the backward's ~40 ms gradient offload; docs/benchmarks.md,
+"Where the time goes").
 The cast is exact (every fp16/bf16 value is an fp32 value), so the fp32 gradient is a function of the
 region: here it is noted as `Lazy` and computed where it is read. The fused step casts each chunk
 from the region into a cache-sized scratch, unscales it there and hands it to Adam, so neither the copy
