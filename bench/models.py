@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -146,3 +147,28 @@ def batch(model: str, size: Size, step: int, rank: int, device: torch.device, dt
         return (images,), {}, torch.randint(0, CLASSES, (4 * size.batch,), generator=g).to(device), images.shape[0]
     tokens = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=g).to(device)
     return (tokens[:, :-1],), {"step": step}, tokens[:, 1:], size.batch * size.seq
+
+
+# Dense fp16/bf16 tensor-core peaks (no sparsity) of the GPUs the records were made on, by a piece of the
+# name torch reports; elsewhere no MFU is given rather than a guessed one.
+PEAK_FLOPS = {"H200": 989.4e12, "H100 80GB HBM3": 989.4e12, "H100 SXM": 989.4e12, "H100 PCIe": 756.5e12,
+              "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for piece, peak in PEAK_FLOPS.items() if piece in name), None)
+
+
+@lru_cache
+def flops_per_token(model: str, device: str) -> float | None:
+    """A training step's model FLOPs per token: 6 per parameter (forward and backward) plus attention's
+    12 x layers x width x sequence (PaLM's appendix B), counted on a copy built on the meta device. None
+    for the image model."""
+    if model == "clip":
+        return None
+    with torch.device("meta"):
+        built, size = make(model, device)
+    return 6.0 * sum(p.numel() for p in built.parameters()) + 12.0 * size.layers * size.width * size.seq

@@ -57,7 +57,7 @@ def table(records: list[dict]) -> Table:
     t = Table(title=f"ZeRO-3 step time, side by side ({groups})")
     host = "host peak GiB" if isolated else "host RSS GiB"  # one process for all runs: RSS only grows
     for col in ("model", "offload", "variant", "dtype / thr", "median ms", "fwd / bwd / step ms", "x stock", "tokens/s",
-                "peak GPU GiB", host, "invalidations", "switches"):
+                "MFU", "peak GPU GiB", host, "invalidations", "switches"):
         t.add_column(col, justify="right" if col not in ("model", "offload", "variant") else "left")
     for r, base in zip(records, _stock_medians(records)):
         gib = (lambda b: f"{b / 2**30:.2f}" if b else "-")
@@ -65,6 +65,7 @@ def table(records: list[dict]) -> Table:
         t.add_row(r["model"], r["offload"], r["variant"], f"{r.get('precision', '-')} / {r.get('threads', '-')}",
                   f"{r['median_step_s'] * 1e3:.1f}", split,
                   f"{r['median_step_s'] / base:.3f}" if base else "-", f"{r['tokens_per_s']:.0f}",
+                  f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
                   gib(r["peak_gpu_mem_bytes"]), gib(r["host_peak_rss_bytes" if isolated else "host_rss_bytes"]),
                   *("-" if r[k] is None else str(r[k]) for k in ("invalidations", "trace_switches")))
     return t

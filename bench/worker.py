@@ -161,6 +161,7 @@ def measure(spec: dict, size: models.Size, rank: int, world: int, device: torch.
                 phases[key].append(seconds)
             skipped += not applied
     baseline, rss_before = before
+    flops = models.flops_per_token(spec["model"], device.type)
     return {
         "model": spec["model"], "variant": spec["variant"], "offload": spec["offload"], "device": device.type,
         "gpus": world if device.type == "cuda" else 0, "deepspeed": version("deepspeed"), "torch": torch.__version__,
@@ -169,6 +170,8 @@ def measure(spec: dict, size: models.Size, rank: int, world: int, device: torch.
         "threads": torch.get_num_threads(), "omp_threads": os.environ.get("OMP_NUM_THREADS"),
         "median_step_s": statistics.median(times), "min_step_s": min(times), "steps_s": times,
         "tokens_per_s": tokens * world / statistics.median(times),
+        "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "model_flops_per_token": flops, "mfu": _mfu(flops, tokens / statistics.median(times), device),
         "peak_gpu_mem_bytes": torch.cuda.max_memory_allocated() - baseline if device.type == "cuda" else None,
         "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
         "phases_s": phases, "warmup_steps_s": warmup_times,  # every timed step's phases; the untimed steps
@@ -176,6 +179,12 @@ def measure(spec: dict, size: models.Size, rank: int, world: int, device: torch.
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # of the process
         "skipped_steps": skipped, "fetch_wait_s": None,
     }
+
+
+def _mfu(flops_per_token: float | None, tokens_per_s_per_gpu: float, device: torch.device) -> float | None:
+    """Model FLOPs utilisation of one GPU: its tokens/s times the model's FLOPs per token over its peak."""
+    peak = models.peak_flops(device)
+    return None if flops_per_token is None or peak is None else tokens_per_s_per_gpu * flops_per_token / peak
 
 
 def _process():

@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "run.py"
 FIELDS = {"model", "variant", "offload", "median_step_s", "min_step_s", "peak_gpu_mem_bytes", "invalidations",
           "device", "deepspeed", "date", "tokens_per_s", "host_rss_bytes", "trace_switches", "steps",
-          "phase_median_s", "host_peak_rss_bytes"}
+          "phase_median_s", "host_peak_rss_bytes", "model_flops_per_token", "mfu"}
 
 
 def test_cpu_smoke_run_writes_every_record(tmp_path):
@@ -27,6 +27,7 @@ def test_cpu_smoke_run_writes_every_record(tmp_path):
     assert {r["offload"] for r in records} == {"none", "param", "param+optimizer"}
     for r in records:
         assert FIELDS <= set(r) and r["steps"] == 8 and r["median_step_s"] > 0
+        assert r["model_flops_per_token"] > 0 and r["mfu"] is None  # no GPU peak to divide by on CPU
     by = {(r["model"], r["variant"], r["offload"]): r for r in records}
     # The block-skipping model: stock re-records on every other step, z3guard switches traces.
     assert by["gpt2-skip", "stock", "param"]["invalidations"] >= 4  # of 8 timed steps + 1 warm-up
@@ -93,3 +94,17 @@ def test_step_parts_count_every_timed_step(tmp_path):
         samples = record["phases_s"][phase]
         assert len(samples) == 4
         assert abs(record["phases_ms"][phase] - 1e3 * statistics.median(samples)) < 1e-9
+
+
+def test_model_flops_per_token_are_six_per_parameter_plus_attention(monkeypatch):
+    """The Llama-shaped model of the GPU tables: 1.34B parameters, 24 layers of width 2048, 1024 tokens."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_models", BENCH.parent / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, models)  # its dataclasses look their module up there
+    spec.loader.exec_module(models)
+    flops = models.flops_per_token("llama", "cuda")  # built on the meta device: no memory, no GPU
+    parameters = (flops - 12 * 24 * 2048 * 1024) / 6
+    assert 1.33e9 < parameters < 1.35e9 and parameters == int(parameters)
+    assert models.flops_per_token("clip", "cuda") is None
