@@ -6,7 +6,8 @@ environment, swapping DeepSpeed between runs (a pure-Python install: seconds onc
 The main release (requirements-cpu.txt) runs the whole suite in its own environment. Here, by default (what
 CI runs), the releases of CI run the self-check and lifecycle tests (tests/test_adapter.py), and those of
 SCENARIO also the report's crash scenario (stock crashes, z3guard completes bit-identically), and those of
-GENERATE generate() between training steps (tests/test_generate.py). With --full (`make
+GENERATE generate() between training steps (tests/test_generate.py), and those of SPEED the speed paths
+they have at 3 and 4 ranks (tests/test_world_sizes.py). With --full (`make
 test-releases-full`, when a release is added or the adapter changes) every CPU-tested release runs them,
 the scenario in fp16 and bf16, the `GatheredParameters` trigger, the save/load contract and the gathers.
 Each release's compiled ops are kept in ~/.cache/z3guard, so that a machine's later runs skip compiling.
@@ -32,6 +33,9 @@ SCENARIO = {"0.10.3", "0.16.4"}
 # A release where stock fails on generate() between training steps (tests/test_generate.py), in CI; --full
 # runs it on every release.
 GENERATE = {"0.18.9"}
+# Releases with speed paths on besides the main one: those paths against stock at 3 and 4 ranks
+# (tests/test_world_sizes.py), in CI too.
+SPEED = {"0.19.5"}
 MAIN = next(line.split("==")[1].strip() for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed=="))
 DEFAULTS = {"pydantic": "pydantic>=2", "numpy": "numpy==2.4.6", "typer": "typer==0.29.2"}  # what a release does not ask otherwise
@@ -50,9 +54,10 @@ def cpu_releases(full: bool = False) -> list[str]:
 def tests_for(release: str, full: bool) -> tuple[list[str], str]:
     """The test files and the matrix's case set (tests/matrix.py) for `release`."""
     if full:
-        return FULL, "1"
+        return FULL + (["tests/test_world_sizes.py"] if release in SPEED else []), "1"
     tests = SELF_CHECK + (["tests/test_matrix.py"] if release in SCENARIO else []) + \
-        (["tests/test_generate.py"] if release in GENERATE else [])
+        (["tests/test_generate.py"] if release in GENERATE else []) + \
+        (["tests/test_world_sizes.py"] if release in SPEED else [])
     return tests, "fast"
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from z3guard.adapter import speedpaths
 from z3guard.scenarios import compare
 from z3guard.scenarios.catalog import LM_SCALE
 from z3guard.scenarios.job import Job
@@ -24,6 +25,9 @@ SKIPS = (3, 10, 25, 26, 41, 53)
 NO_OFFLOAD = {"zero_optimization": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}}
 SPEED_PATHS = {"block_fetch=3", "writeback", "fused_step", "grad_offload", "grads_cast_on_host", "overflow_check",
                "persistent_gather", "host_threads=2", "lean_hooks", "grad_bucket", "grad_batch"}
+# those verified on the DeepSpeed under test (all of them on the main release; fewer on others)
+SPEED_PATHS = {p for p in SPEED_PATHS if speedpaths.why_off(p.partition("=")[0]) is None}
+MULTI_TRACE = speedpaths.why_off("multi_trace") is None
 
 
 @pytest.fixture(scope="module", params=[3, 4])
@@ -53,7 +57,7 @@ def test_every_speed_path_is_bit_identical_to_stock(ranks):
     unused on odd steps: stock against z3guard with every speed path on (blocks fetched whole included)."""
     nproc, done = ranks
     stock, fast = done.result("stock"), done.result("fast")
-    assert set(fast["fast_paths"]) == SPEED_PATHS and fast["trace"]["switches"] > 0  # and multi_trace
+    assert set(fast["fast_paths"]) == SPEED_PATHS and (fast["trace"]["switches"] > 0) == MULTI_TRACE
     assert stock["skipped"] == fast["skipped"]
     assert {s for s in SKIPS if s <= STEPS[nproc]} <= set(stock["skipped"])  # fp16 overflows too
     diff = compare.first_job_difference(done, "stock", "fast", nproc=nproc)  # losses, weights, every optimizer

@@ -104,7 +104,7 @@ VERIFIED: dict[str, dict[str, tuple[str, ...]]] = {
     "quiet_modules": {"aee9110470da9d39": ("0.19.8",)},
     "lean_hooks": {"958436f127d155ef": ("0.19.5", "0.19.8")},
     "grad_bucket": {"d723790840ad2dc7": ("0.19.5", "0.19.8")},
-    "grad_batch": {"c3d31f976066b4e6": ("0.19.8",)},
+    "grad_batch": {"c3d31f976066b4e6": ("0.19.8",), "181212aa73ff2c77": ("0.19.5",)},
     "grad_norm": {"ba0108bd6ccb943b": ("0.19.8",), "18f840c9317da3fb": ("0.19.5",)},
 }
 
